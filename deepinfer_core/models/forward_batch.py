@@ -1,0 +1,46 @@
+"""What the engine hands a model for one step: a flat, unpadded batch of tokens plus per-sequence
+metadata that points into the paged cache.
+
+Layout of one step with S sequences and T = sum(query_lens) tokens:
+- sequence i owns rows query_start_loc[i] : query_start_loc[i+1] of `input_ids` / `positions`;
+- those rows are the tokens at absolute positions context_lens[i] .. context_lens[i]+query_lens[i]-1
+  (a prefill chunk, a whole prompt, or one decode token);
+- context_lens[i] tokens of that sequence are already in the cache (0 for a fresh prefill);
+- slot_ids[i] names the sequence's fixed-size state (sliding windows, open compression windows);
+- block_tables[i] lists the cache blocks (block_size tokens each) that hold its growing state
+  (compressed entries, indexer keys), padded with -1.
+
+Device tensors feed the kernels; the `_cpu` lists are the same numbers on the host, for ops that
+plan on the host (the reference ops loop over sequences) without a device sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ForwardBatch"]
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64, absolute positions
+    query_start_loc: torch.Tensor  # [S+1] int32, cumulative query lengths
+    context_lens: torch.Tensor     # [S] int32, tokens cached before this step
+    slot_ids: torch.Tensor         # [S] int32
+    block_tables: torch.Tensor     # [S, max_blocks] int32, -1 padded
+    logits_indices: torch.Tensor   # [N] int64, rows of T whose logits are wanted
+    query_lens_cpu: list[int]
+    context_lens_cpu: list[int]
+    slot_ids_cpu: list[int]
+    block_tables_cpu: list[list[int]]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
