@@ -1,0 +1,88 @@
+"""A checkpoint quantised by scripts/quantize_checkpoint.py runs in the model like its dequantised float copy."""
+
+from __future__ import annotations
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_cache, build_forward_batch
+from safetensors.torch import save_file
+
+from deepinfer_core.model_config import load_model_config
+from deepinfer_core.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer_core.platform.kernel_ops import KernelOps
+from deepinfer_core.quantization import dequantize_fp4, dequantize_fp8_block
+from deepinfer_core.weights import load_model_weights
+from deepinfer_core.weights.reader import iter_official_tensors
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "quantize_checkpoint.py"
+
+
+def quantize(source: Path, output: Path, experts: str) -> None:
+    main = runpy.run_path(str(SCRIPT), run_name="quantize_checkpoint")["main"]
+    main([str(source), str(output), "--experts", experts, "--max-shard-size", "150000"])
+
+
+def write_dequantised_copy(quantised: Path, output: Path) -> None:
+    """The same weights in float32 under official names, with the quantization settings removed."""
+    tensors = dict(iter_official_tensors(quantised))
+    floats = {}
+    for name, tensor in tensors.items():
+        if name.endswith(".scale"):
+            continue
+        scale = tensors.get(name.removesuffix(".weight") + ".scale")
+        if scale is None:
+            floats[name] = tensor
+        elif tensor.dtype == torch.int8:
+            floats[name] = dequantize_fp4(tensor, scale, torch.float32)
+        else:
+            floats[name] = dequantize_fp8_block(tensor, scale, (128, 128), torch.float32)
+    output.mkdir()
+    save_file({k: v.contiguous() for k, v in floats.items()}, str(output / "model.safetensors"))
+    config = json.loads((quantised / "config.json").read_text())
+    config.pop("quantization_config")
+    config.pop("expert_dtype", None)
+    (output / "config.json").write_text(json.dumps(config))
+
+
+def logits(checkpoint: Path, prompt: torch.Tensor) -> tuple[torch.Tensor, DeepseekV4ForCausalLM]:
+    config = load_model_config(checkpoint)
+    model = DeepseekV4ForCausalLM(config, KernelOps(), torch.float32, torch.device("cpu"))
+    load_model_weights(model, checkpoint)
+    cache = build_cache(config, num_slots=1, dtype=torch.float32)
+    out = model(build_forward_batch([(prompt, 0, 0, list(range(cache.num_blocks)))]), cache)
+    return model.compute_logits(out.hidden), model
+
+
+@pytest.mark.parametrize("experts", ["fp4", "fp8"])
+def test_quantised_checkpoint_matches_the_dequantised_float_model(tiny_checkpoint, tmp_path, experts):
+    quantised, dequantised = tmp_path / "quantised", tmp_path / "dequantised"
+    quantize(tiny_checkpoint, quantised, experts)
+    write_dequantised_copy(quantised, dequantised)
+    prompt = torch.randint(0, load_model_config(tiny_checkpoint).vocab_size, (40,),
+                           generator=torch.Generator().manual_seed(5))
+
+    got, model = logits(quantised, prompt)
+    want, _ = logits(dequantised, prompt)
+
+    dtypes = {t.dtype for t in model.state_dict().values()}
+    assert torch.float8_e4m3fn in dtypes and torch.float8_e8m0fnu in dtypes
+    assert (torch.int8 in dtypes) == (experts == "fp4")
+    # Dequantisation is exact, so both models multiply identical float32 weights; only where the
+    # dequantised matrix is formed may change the summation order (KernelOps.linear: 1e-5 relative).
+    error = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    assert error.max() <= 1e-5
+    original, _ = logits(tiny_checkpoint, prompt)
+    assert not torch.allclose(original, got, rtol=0, atol=0), "quantisation must have changed the weights"
+
+
+def test_quantised_checkpoint_keeps_the_tokenizer_and_generation_files(tiny_checkpoint, tmp_path):
+    quantised = tmp_path / "quantised"
+    quantize(tiny_checkpoint, quantised, "fp4")
+    side_files = [p.name for p in tiny_checkpoint.iterdir() if p.suffix != ".safetensors" and p.name != "config.json"]
+    assert "tokenizer.json" in side_files
+    for name in side_files:
+        assert (quantised / name).read_bytes() == (tiny_checkpoint / name).read_bytes(), name
