@@ -1,0 +1,119 @@
+"""V4.1 attention of one layer (MODEL_SPEC_V41 §4): sliding window plus the band's shared compressed KV.
+
+Roles: a KV source compresses its tokens and publishes the band's entries and indexer keys; an index
+source (the KV source itself, or a Reindex layer) selects entries per token; every other layer with
+ratio > 0 (Reuse) attends the latest selection. No per-head q norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from deepinfer_core.models.deepseek_v4.rope import rope_inv_freq
+from deepinfer_core.models.forward_batch import ForwardBatch
+
+from .band import BandState, write_entries
+from .cache import DeepseekV41Cache
+from .compressor import Compressor
+from .factory import ModuleFactory
+from .indexer import Indexer
+from .kv_quant import StoredTensor
+
+__all__ = ["Attention", "ForwardState"]
+
+
+class ForwardState:
+    """Per-forward state carried from layer to layer: the open band, and the step's batch renumbered
+    onto the decoded copies of its slots (0..S-1) and blocks (row-major over its block tables)."""
+
+    __slots__ = ("band", "local")
+
+    def __init__(self, batch: ForwardBatch) -> None:
+        self.band: BandState | None = None
+        n_seqs, width = batch.block_tables.shape
+        tables = torch.arange(n_seqs * width, dtype=torch.int32, device=batch.block_tables.device).view(n_seqs, width)
+        self.local = replace(
+            batch, slot_ids=torch.arange(n_seqs, dtype=torch.int32, device=batch.slot_ids.device),
+            slot_ids_cpu=list(range(n_seqs)), block_tables=tables, block_tables_cpu=tables.tolist(),
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, f: ModuleFactory, layer: int) -> None:
+        super().__init__()
+        c = f.config
+        self.ops, self.kv, self.layer = f.ops, f.kv, layer
+        self.ratio = c.compress_ratios[layer]
+        self.n_heads, self.head_dim, self.o_groups = c.num_attention_heads, c.head_dim, c.o_groups
+        self.wq_a = f.linear(c.hidden_size, c.q_lora_rank, quantizable=True)
+        self.q_norm = f.norm(c.q_lora_rank)
+        self.wq_b = f.linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, quantizable=True)
+        self.wkv = f.linear(c.hidden_size, c.head_dim, quantizable=True)
+        self.kv_norm = f.norm(c.head_dim)
+        group_width = c.num_attention_heads * c.head_dim // c.o_groups
+        self.wo_a = f.linear(group_width, c.o_groups * c.o_lora_rank, quantizable=True)
+        self.wo_b = f.linear(c.o_groups * c.o_lora_rank, c.hidden_size, quantizable=True)
+        self.attn_sink = f.param(c.num_attention_heads, dtype=torch.float32)
+        is_source = layer in c.kv_source_layer_ids
+        self.compressor = Compressor(f, self.ratio) if is_source else None
+        self.indexer = Indexer(f, layer) if layer in c.index_source_layer_ids else None
+        rope = c.rope_compress if self.ratio else c.rope_main
+        self.register_buffer("inv_freq", rope_inv_freq(rope, c.qk_rope_head_dim).to(f.device), persistent=False)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: DeepseekV41Cache, state: ForwardState
+    ) -> torch.Tensor:
+        ops, pos = self.ops, batch.positions
+        q_latent = self.q_norm(self.wq_a(x))
+        q = ops.rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), pos, self.inv_freq)
+        kv = self.kv.window(ops.rope(self.kv_norm(self.wkv(x)), pos, self.inv_freq))
+        if self.compressor is not None:
+            state.band = BandState(self.layer, cache.bands[self.layer])
+            self._publish(x, batch, state.band)
+        if self.indexer is not None:
+            state.band.selected = self.indexer(x, q_latent, self.inv_freq, batch, state.band)
+        band = state.band if self.ratio else None
+        attend = band is not None and band.selected is not None
+        window = cache.windows[self.layer]
+        # NOTE: the reference ops read plain tensors, so the step's slots and blocks are decoded first;
+        # a fused kernel reads the fp8/fp4 codes directly.
+        ring = window.read(ops, (batch.slot_ids.to(torch.long),))
+        entries = None
+        if attend:
+            entries = band.cache.entries.read(ops, (batch.block_tables.clamp(min=0).to(torch.long),)).flatten(0, 1)
+        out = ops.sparse_attention(
+            q, kv, ring, self.attn_sink, self.head_dim**-0.5, state.local,
+            entries=entries, ratio=self.ratio, selected=band.selected if attend else None,
+        )
+        self._store_window(kv, batch, window)
+        out = ops.rope(out, pos, self.inv_freq, inverse=True)
+        grouped = ops.grouped_linear(out.view(out.shape[0], self.o_groups, -1), self.wo_a.weight, self.wo_a.scale,
+                                     self.wo_a.block)
+        return self.wo_b(grouped.flatten(1))
+
+    def _publish(self, x: torch.Tensor, batch: ForwardBatch, band: BandState) -> None:
+        """Compress the step's tokens; store the completed groups' entries and indexer keys."""
+        new = self.compressor(x, batch, band.cache)
+        if new.entry_ids.numel() == 0:
+            return
+        positions = new.entry_ids * self.ratio
+        entries = self.kv.entry(self.ops.rope(new.latents, positions, self.inv_freq))
+        write_entries(self.ops, band.cache.entries, batch, new.seq_index, new.entry_ids, entries)
+        keys = self.indexer.keys(new.latents, positions, self.inv_freq)
+        write_entries(self.ops, band.cache.index_keys, batch, new.seq_index, new.entry_ids, keys)
+
+    def _store_window(self, kv: torch.Tensor, batch: ForwardBatch, window: StoredTensor) -> None:
+        """Each sequence's last min(q, W) positions p of the step go to ring row p % W of its slot."""
+        ring = window.parts[0].shape[1]
+        slots, rows, offsets = [], [], []
+        start = 0
+        for slot, n_q, ctx in zip(batch.slot_ids_cpu, batch.query_lens_cpu, batch.context_lens_cpu):
+            keep = torch.arange(max(ctx, ctx + n_q - ring), ctx + n_q, device=kv.device)
+            slots.append(torch.full_like(keep, slot))
+            offsets.append(keep % ring)
+            rows.append(start + keep - ctx)
+            start += n_q
+        window.write(self.ops, (torch.cat(slots), torch.cat(offsets)), kv[torch.cat(rows)])

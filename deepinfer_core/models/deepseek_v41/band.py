@@ -1,0 +1,46 @@
+"""What the layers of one band hand each other within a forward (MODEL_SPEC_V41 §2), and paged access.
+
+The KV source opens a band: its cache holds the band's compressed entries and indexer keys. Index
+sources publish `selected` (per-token entry ids, -1 = none) that the following Reuse layers attend;
+the candidate source publishes each sequence's candidate-entry mask for the index sources after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_core.platform.kernel_ops import KernelOps
+
+from .cache import BandCache
+from .kv_quant import StoredTensor
+
+__all__ = ["BandState", "gather_entries", "write_entries"]
+
+
+@dataclass(slots=True)
+class BandState:
+    source: int
+    cache: BandCache
+    selected: torch.Tensor | None = None
+    candidates: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def gather_entries(ops: KernelOps, pool: StoredTensor, block_table: torch.Tensor, n_entries: int) -> torch.Tensor:
+    """Entries 0..n_entries-1 of one sequence from a paged [num_blocks, block_size // ratio] pool, decoded."""
+    per_block = pool.parts[0].shape[1]
+    ids = torch.arange(n_entries, device=block_table.device)
+    return pool.read(ops, (block_table.to(torch.long)[ids // per_block], ids % per_block))
+
+
+def write_entries(
+    ops: KernelOps, pool: StoredTensor, batch: ForwardBatch, seq_index: torch.Tensor, entry_ids: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """Store values[g] as entry entry_ids[g] of sequence seq_index[g]."""
+    per_block = pool.parts[0].shape[1]
+    tables = batch.block_tables.to(torch.long)[seq_index]
+    blocks = tables.gather(1, (entry_ids // per_block).unsqueeze(1)).squeeze(1)
+    pool.write(ops, (blocks, entry_ids % per_block), values)

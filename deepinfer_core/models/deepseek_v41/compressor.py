@@ -1,0 +1,64 @@
+"""The KV source's compressor (MODEL_SPEC_V41 §4.1): one pre-RoPE latent per group of `ratio` tokens."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer_core.models.forward_batch import ForwardBatch
+
+from .cache import BandCache
+from .factory import ModuleFactory
+
+__all__ = ["Compressor", "NewGroups"]
+
+
+class NewGroups:
+    """Latents [G, head_dim] of the groups completed by a step, their entry ids and sequences."""
+
+    __slots__ = ("latents", "entry_ids", "seq_index")
+
+    def __init__(self, latents: torch.Tensor, entry_ids: torch.Tensor, seq_index: torch.Tensor) -> None:
+        self.latents, self.entry_ids, self.seq_index = latents, entry_ids, seq_index
+
+
+class Compressor(nn.Module):
+    """ratio 1: latent = RMSNorm(x Wkv) per token, model dtype. ratio r > 1: projections in float32,
+    per-channel softmax(gate) pooling over each group's r tokens, cast, RMSNorm. A group's tokens may
+    span steps: the open group's raw projections wait in the band cache."""
+
+    def __init__(self, f: ModuleFactory, ratio: int) -> None:
+        super().__init__()
+        c = f.config
+        self.ops, self.ratio, self.dtype = f.ops, ratio, f.dtype
+        self.wkv = f.linear(c.hidden_size, c.head_dim, quantizable=False)
+        self.wgate = f.linear(c.hidden_size, c.head_dim, quantizable=False) if ratio > 1 else None
+        self.norm = f.norm(c.head_dim)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, band: BandCache) -> NewGroups:
+        device = x.device
+        seq_index = torch.repeat_interleave(
+            torch.arange(batch.num_seqs, device=device), torch.tensor(batch.query_lens_cpu, device=device)
+        )
+        if self.wgate is None:
+            return NewGroups(self.norm(self.wkv(x)), batch.positions.to(torch.long), seq_index)
+        x32 = x.float()
+        kv = self.ops.linear(x32, self.wkv.weight, self.wkv.scale, self.wkv.block)
+        gate = self.ops.linear(x32, self.wgate.weight, self.wgate.scale, self.wgate.block)
+        r, pooled_kv, pooled_gate, entry_ids, seqs = self.ratio, [], [], [], []
+        start = 0
+        for i, (slot, n_q, ctx) in enumerate(zip(batch.slot_ids_cpu, batch.query_lens_cpu, batch.context_lens_cpu)):
+            n_open = ctx % r
+            seq_kv = torch.cat([band.open_kv[slot, :n_open], kv[start:start + n_q]])
+            seq_gate = torch.cat([band.open_gate[slot, :n_open], gate[start:start + n_q]])
+            groups = seq_kv.shape[0] // r
+            pooled_kv.append(seq_kv[: groups * r].view(groups, r, kv.shape[-1]))
+            pooled_gate.append(seq_gate[: groups * r].view(groups, r, kv.shape[-1]))
+            entry_ids.append(torch.arange(ctx // r, ctx // r + groups, device=device))
+            seqs.append(torch.full((groups,), i, device=device, dtype=torch.long))
+            rest = seq_kv.shape[0] - groups * r
+            band.open_kv[slot, :rest] = seq_kv[groups * r:]
+            band.open_gate[slot, :rest] = seq_gate[groups * r:]
+            start += n_q
+        latents = self.ops.gated_pool(torch.cat(pooled_kv), torch.cat(pooled_gate)).to(self.dtype)
+        return NewGroups(self.norm(latents), torch.cat(entry_ids), torch.cat(seqs))

@@ -1,0 +1,169 @@
+"""Engram conditional memory (MODEL_SPEC_V41 §6): n-gram hash ids from the tokens, table rows, gated injection.
+
+The hash ids of a token depend only on the token ids (through the tokenizer-derived compressed
+vocabulary), so they are computed on the host. The tables (~100 GB each in the release) stay in host
+memory: `Engram.forward` gathers the step's rows there and moves only those rows to the device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from deepinfer_core.models.deepseek_v4.linear import empty_param
+from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_core.quantization import dequantize_fp8_block
+
+from .config import DeepseekV41TextConfig
+from .engram_layout import engram_multipliers, engram_offsets, engram_primes
+from .factory import ModuleFactory
+
+__all__ = ["DEAD", "build_compressed_token_map", "load_compressed_token_map", "EngramHasher", "Engram"]
+
+DEAD = -1
+HOST = torch.device("cpu")
+ROW_SCALE_BLOCK = 32  # release tables: one e8m0 scale per 32 columns of a row
+
+
+def build_compressed_token_map(tokenizer) -> tuple[list[int], int]:
+    """(compressed id of every token id, compressed vocabulary size) for a `tokenizers.Tokenizer`.
+
+    Tokens whose decoded text normalises alike share an id (first-seen order). The key is the raw
+    token string when the decoded text holds U+FFFD (a partial UTF-8 byte), else the text after
+    NFKC, NFD, accent stripping, lower-casing, whitespace runs -> " " and stripping, where a token that
+    is exactly one whitespace run stays " "; an empty result falls back to the decoded text.
+    """
+    from tokenizers import Regex, normalizers
+
+    keep_space = "\ue000"  # private-use sentinel: a lone " " must survive Strip()
+    normalizer = normalizers.Sequence([
+        normalizers.NFKC(),
+        normalizers.NFD(),
+        normalizers.StripAccents(),
+        normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+        normalizers.Replace(Regex(r"^ $"), keep_space),
+        normalizers.Strip(),
+        normalizers.Replace(keep_space, " "),
+    ])
+    ids: dict[str, int] = {}
+    token_map = []
+    for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            key = tokenizer.id_to_token(token_id)
+        else:
+            key = normalizer.normalize_str(text) or text
+        token_map.append(ids.setdefault(key, len(ids)))
+    return token_map, len(ids)
+
+
+def load_compressed_token_map(checkpoint_dir: str | Path, config: DeepseekV41TextConfig) -> list[int]:
+    """The compressed token map from `tokenizer.json` in `checkpoint_dir`, checked against the config."""
+    from tokenizers import Tokenizer
+
+    path = Path(checkpoint_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"the engram layers need the tokenizer: no tokenizer.json in {checkpoint_dir}")
+    token_map, size = build_compressed_token_map(Tokenizer.from_file(str(path)))
+    if size != config.engram_compressed_vocab_size:
+        raise ValueError(
+            f"the tokenizer in {checkpoint_dir} gives a compressed vocabulary of {size} ids but "
+            f"`engram_compressed_vocab_size` is {config.engram_compressed_vocab_size}; every engram hash would "
+            "address the wrong rows. Use the checkpoint's own tokenizer."
+        )
+    return token_map
+
+
+class EngramHasher:
+    """Hash ids [T, n_engram_layers, (N-1)*heads] of a step, and the per-slot look-back they need.
+
+    History per slot: the compressed ids of the N-1 positions before the step (DEAD before the start).
+    For position t and shift s, the n-gram token is the id at t-s, or the pad id once any shift <= s
+    is DEAD. Hash of the n-gram ending at shift n: XOR over s <= n of id_s * multiplier_s (int64), mod
+    each head's prime, plus the head's table offset.
+    """
+
+    def __init__(self, config: DeepseekV41TextConfig, token_map: list[int]) -> None:
+        c = config
+        if len(token_map) < c.vocab_size:
+            raise ValueError(f"compressed token map covers {len(token_map)} ids, fewer than vocab_size {c.vocab_size}")
+        self.ngram = c.engram_max_ngram_size
+        self.token_map = torch.tensor(token_map, dtype=torch.int64)
+        self.pad_id = token_map[c.engram_pad_id]
+        primes = engram_primes(c.engram_layer_ids, c.engram_max_ngram_size, c.engram_n_heads, c.engram_vocab_size)
+        self.primes = torch.tensor(primes, dtype=torch.int64)            # [L, N-1, heads]
+        self.offsets = torch.tensor(engram_offsets(primes), dtype=torch.int64)  # [L, (N-1)*heads]
+        self.multipliers = torch.from_numpy(
+            engram_multipliers(c.engram_layer_ids, c.engram_max_ngram_size, c.engram_compressed_vocab_size)
+        )  # [L, N]
+
+    def ngram_tokens(self, history: torch.Tensor, new_ids: torch.Tensor) -> torch.Tensor:
+        """[q, N] n-gram tokens (shift-major) of q new compressed ids after `history` [N-1]."""
+        seq = torch.cat([history, new_ids])
+        q, lookback = new_ids.shape[0], self.ngram - 1
+        rows = torch.arange(q)[:, None] + lookback - torch.arange(self.ngram)[None, :]
+        tokens = seq[rows]
+        dead = torch.cummax((tokens == DEAD).to(torch.int64), dim=1).values.bool()
+        return torch.where(dead, torch.full_like(tokens, self.pad_id), tokens)
+
+    def hash(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[q, N] n-gram tokens -> [q, L, (N-1)*heads] table row ids."""
+        products = tokens[:, None, :] * self.multipliers[None]  # [q, L, N]
+        rolling, ids = products[..., 0], []
+        for n in range(1, self.ngram):
+            rolling = torch.bitwise_xor(rolling, products[..., n])
+            ids.append(rolling.unsqueeze(-1) % self.primes[None, :, n - 1])
+        return torch.cat(ids, dim=-1) + self.offsets[None]
+
+    def step(self, batch: ForwardBatch, history: torch.Tensor) -> torch.Tensor:
+        """Hash ids of every token of `batch` (host int64); updates `history` [num_slots, N-1] per slot."""
+        compressed = self.token_map[batch.input_ids.to(HOST)]
+        out, start = [], 0
+        for slot, n_q, ctx in zip(batch.slot_ids_cpu, batch.query_lens_cpu, batch.context_lens_cpu):
+            before = history[slot] if ctx > 0 else torch.full((self.ngram - 1,), DEAD, dtype=torch.int64)
+            new_ids = compressed[start:start + n_q]
+            out.append(self.hash(self.ngram_tokens(before, new_ids)))
+            history[slot] = torch.cat([before, new_ids])[-(self.ngram - 1):]
+            start += n_q
+        return torch.cat(out)
+
+
+class Engram(nn.Module):
+    """One engram layer: the host table `embed.weight` [rows, head_dim] (fp8 e4m3 with `embed.scale`
+    e8m0 [rows, ceil(head_dim / 32)] for a quantised checkpoint), `wkv`, `q_weight`, `k_weight` [hc_mult, D]."""
+
+    def __init__(self, f: ModuleFactory, layer: int) -> None:
+        super().__init__()
+        c = f.config
+        self.ops, self.eps, self.hc_mult, self.hidden = f.ops, c.rms_norm_eps, c.hc_mult, c.hidden_size
+        self.dtype = f.dtype
+        rows, width = c.engram_num_embeddings[c.engram_layer_ids.index(layer)], c.engram_head_dim
+        quantized = f.full_config.quantization_config is not None
+        self.embed = nn.Module()
+        self.embed.weight = empty_param((rows, width), torch.float8_e4m3fn if quantized else f.dtype, HOST)
+        self.embed.scale = empty_param((rows, -(-width // ROW_SCALE_BLOCK)), torch.float8_e8m0fnu, HOST) if quantized else None
+        n_cols = (c.engram_max_ngram_size - 1) * c.engram_n_heads
+        self.wkv = f.linear(n_cols * c.engram_head_dim, (c.hc_mult + 1) * c.hidden_size, quantizable=True)
+        self.q_weight = f.param(c.hc_mult, c.hidden_size)
+        self.k_weight = f.param(c.hc_mult, c.hidden_size)
+
+    def gather(self, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Rows for host ids [T, cols], gathered on the host; only those rows (still fp8 when the table is)
+        move to `device`, where they are dequantised. Returns [T, cols*head_dim] in the model dtype."""
+        flat = ids.reshape(-1)
+        rows = self.embed.weight.index_select(0, flat).to(device, non_blocking=True)
+        if self.embed.scale is not None:
+            scales = self.embed.scale.index_select(0, flat).to(device, non_blocking=True)
+            rows = dequantize_fp8_block(rows, scales, (1, ROW_SCALE_BLOCK), self.dtype)
+        return rows.to(self.dtype).view(ids.shape[0], -1)
+
+    def forward(self, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """streams [T, hc_mult, D], rows [T, cols*head_dim] from `gather` -> updated streams."""
+        kv = self.wkv(rows.to(streams.dtype))
+        key = kv[:, : self.hc_mult * self.hidden].view(-1, self.hc_mult, self.hidden)
+        value = kv[:, self.hc_mult * self.hidden:]
+        weight = self.q_weight.float() * self.k_weight.float()
+        return self.ops.engram_gate(streams, key, value, weight, self.eps)

@@ -1,0 +1,84 @@
+"""The lightning indexer of an index-source layer, with the two-level candidate top-k (MODEL_SPEC_V41 §4.2)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer_core.models.forward_batch import ForwardBatch
+
+from .band import BandState, gather_entries
+from .factory import ModuleFactory
+
+__all__ = ["Indexer", "candidate_mask"]
+
+
+def candidate_mask(scores: torch.Tensor, visible_counts: torch.Tensor, top_blocks: int, block_size: int) -> torch.Tensor:
+    """[q, n] bool: entries inside each query's top `top_blocks` blocks of `block_size` entries.
+
+    A block scores the max of its entries (-inf = none visible); the block holding the query's newest
+    visible entry is always kept; blocks scoring -inf are never kept.
+    """
+    n = scores.shape[-1]
+    padded = torch.nn.functional.pad(scores, (0, -n % block_size), value=float("-inf"))
+    blocks = padded.unflatten(-1, (-1, block_size)).amax(-1)
+    newest = ((visible_counts - 1).div(block_size, rounding_mode="floor")).unsqueeze(-1)
+    blocks = blocks.masked_fill(torch.arange(blocks.shape[-1], device=scores.device) == newest, float("inf"))
+    top = blocks.topk(min(top_blocks, blocks.shape[-1]), dim=-1)
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block_size, dim=-1)[..., :n]
+
+
+class Indexer(nn.Module):
+    """`wq_b`, `weights_proj`; on a KV source also `wk`, `k_norm` (keys from the pre-RoPE latent)."""
+
+    def __init__(self, f: ModuleFactory, layer: int) -> None:
+        super().__init__()
+        c = f.config
+        self.ops, self.kv, self.trace, self.layer = f.ops, f.kv, f.trace, layer
+        self.n_heads, self.head_dim, self.topk = c.index_n_heads, c.index_head_dim, c.index_topk
+        self.ratio = c.compress_ratios[layer]
+        self.is_candidate_source = layer == c.candidate_source_layer_id
+        self.uses_candidates = c.uses_candidates(layer)
+        self.candidate_blocks, self.candidate_block_size = c.candidate_topk_blocks, c.candidate_block_size
+        self.wq_b = f.linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, quantizable=True)
+        self.weights_proj = f.linear(c.hidden_size, c.index_n_heads, quantizable=False)
+        if layer in c.kv_source_layer_ids:
+            self.wk = f.linear(c.head_dim, c.index_head_dim, quantizable=False)
+            self.k_norm = f.norm(c.index_head_dim)
+
+    def keys(self, latents: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Indexer keys of new groups: FP4(RoPE(RMSNorm(latent Wk), group position))."""
+        return self.kv.index(self.ops.rope(self.k_norm(self.wk(latents)), positions, inv_freq))
+
+    def forward(
+        self, x: torch.Tensor, q_latent: torch.Tensor, inv_freq: torch.Tensor, batch: ForwardBatch, band: BandState
+    ) -> torch.Tensor:
+        """[T, index_topk] int64 selected entry ids per token (-1 = empty), any order."""
+        ops, r = self.ops, self.ratio
+        q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
+        q = self.kv.index(ops.rope(q, batch.positions, inv_freq))
+        head_weights = self.weights_proj(x)
+        selected = torch.full((x.shape[0], self.topk), -1, dtype=torch.long, device=x.device)
+        start = 0
+        for i, (n_q, ctx) in enumerate(zip(batch.query_lens_cpu, batch.context_lens_cpu)):
+            rows, start = slice(start, start + n_q), start + n_q
+            n_entries = (ctx + n_q) // r
+            if n_entries == 0:
+                continue
+            keys = gather_entries(ops, band.cache.index_keys, batch.block_tables[i], n_entries)
+            scores = ops.indexer_scores(q[rows], keys, head_weights[rows])
+            visible_counts = (batch.positions[rows] + 1).div(r, rounding_mode="floor")
+            visible = torch.arange(n_entries, device=x.device)[None, :] < visible_counts[:, None]
+            scores = scores.masked_fill(~visible, float("-inf"))
+            if self.is_candidate_source:
+                band.candidates[i] = candidate_mask(scores, visible_counts, self.candidate_blocks,
+                                                    self.candidate_block_size)
+                self.trace.record(f"candidates.layer{self.layer}.seq{i}", band.candidates[i])
+            elif self.uses_candidates and i in band.candidates:
+                scores = scores.masked_fill(~band.candidates[i], float("-inf"))
+            top = scores.topk(min(self.topk, n_entries), dim=-1)
+            picks = torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1))
+            selected[rows, : picks.shape[1]] = picks
+        self.trace.record(f"index_topk.layer{self.layer}", selected)
+        return selected
