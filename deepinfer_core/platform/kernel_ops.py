@@ -14,9 +14,27 @@ Conventions for every op:
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["KernelOps"]
+from deepinfer_core.models.forward_batch import ForwardBatch
+
+__all__ = ["KernelOps", "MlpWeights"]
+
+
+@dataclass(frozen=True, slots=True)
+class MlpWeights:
+    """One SwiGLU MLP's weights (an expert or the shared expert), each dense, fp8 or fp4 as in `linear`."""
+
+    w1: torch.Tensor
+    w3: torch.Tensor
+    w2: torch.Tensor
+    w1_scale: torch.Tensor | None = None
+    w3_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    block: tuple[int, int] | None = None
 
 
 class KernelOps:
@@ -35,10 +53,659 @@ class KernelOps:
             y = y * weight.float()
         return y.to(x.dtype)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """y = x @ weight.T for a dense weight.
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        block: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """y = x @ W.T, W dense or quantised.
 
-        x: [..., K]; weight: [N, K], same dtype as x. Returns [..., N] in x.dtype.
+        x: [..., K] float32/bfloat16. weight: dense [N, K] in x.dtype; or float8_e4m3fn [N, K] with
+        `scale` float8_e8m0fnu [ceil(N/bn), ceil(K/bk)] and `block` = (bn, bk); or int8 [N, K/2]
+        (packed fp4 e2m1, low nibble = even column) with `scale` float8_e8m0fnu [N, K/32].
+        The reference dequantises to x.dtype per call. Returns [..., N] in x.dtype.
         Tolerance: float32 1e-5 relative, bfloat16 1e-2 relative (accumulation order).
         """
-        return torch.nn.functional.linear(x, weight)
+        return torch.nn.functional.linear(x, _dequantized(weight, scale, block, x.dtype))
+
+    def grouped_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        block: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Block-diagonal projection: group g of x meets rows g*R:(g+1)*R of W.
+
+        x: [T, G, K]; weight [G*R, K] (dense or quantised as in `linear`). Returns [T, G, R] in x.dtype
+        with out[t, g] = W[g*R:(g+1)*R] @ x[t, g]. Tolerance as `linear`.
+        """
+        groups = x.shape[1]
+        w = _dequantized(weight, scale, block, x.dtype).view(groups, -1, x.shape[-1])
+        return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Rows of `weight` [V, D] for int64 `ids` [T]; returns [T, D] in weight.dtype. Exact."""
+        return torch.nn.functional.embedding(ids, weight)
+
+    def rope(
+        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+    ) -> torch.Tensor:
+        """Interleaved partial RoPE on the trailing 2*len(inv_freq) channels of x.
+
+        x: [T, ..., d] float32/bfloat16; positions: [T] int64; inv_freq: [r/2] float32.
+        Pair i = channels (d-r+2i, d-r+2i+1) rotates by angle positions[t]*inv_freq[i]:
+        (a, b) -> (a cos - b sin, b cos + a sin); `inverse` rotates by the negative angle.
+        cos/sin are rounded to x.dtype first, the rotation runs in float32, the result is x.dtype.
+        Tolerance: float32 1e-5, bfloat16 1e-2 relative.
+        """
+        rope_dim = 2 * inv_freq.shape[0]
+        angles = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
+        cos = angles.cos().to(x.dtype).float().repeat_interleave(2, dim=-1)
+        sin = angles.sin().to(x.dtype).float().repeat_interleave(2, dim=-1)
+        if inverse:
+            sin = -sin
+        view = (x.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim,)
+        cos, sin = cos.view(view), sin.view(view)
+        rot = x[..., -rope_dim:].float()
+        swapped = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
+        rotated = (rot * cos + swapped * sin).to(x.dtype)
+        return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
+
+    def hc_pre(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+        sinkhorn_iters: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Hyper-connection weights (mHC) and the collapsed block input.
+
+        streams: [T, n, D]; fn: [(2+n)*n, n*D], base: [(2+n)*n], scale: [3], all float32.
+        x = unweighted RMSNorm (norm_eps) of the flattened streams in float32; mix = fn @ x;
+        pre = sigmoid(mix[:n]*scale0 + base[:n]) + hc_eps; post = 2*sigmoid(mix[n:2n]*scale1 + base[n:2n]);
+        comb = softmax_rows(mix[2n:]*scale2 + base[2n:] as [n, n]) + hc_eps, then Sinkhorn: columns, then
+        (rows, columns) x (sinkhorn_iters-1), each dividing by (sum + hc_eps).
+        Returns (collapsed [T, D] streams.dtype = sum_i pre_i*streams_i, post [T, n] f32, comb [T, n, n] f32).
+        Tolerance: float32 1e-5, bfloat16 1e-2 relative.
+        """
+        n = streams.shape[1]
+        flat = streams.flatten(1).float()
+        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+        mix = torch.nn.functional.linear(flat, fn.float())
+        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+        pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+        post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+        comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+        for _ in range(sinkhorn_iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return collapsed, post, comb
+
+    def hc_post(
+        self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        """New residual streams: out[t, j] = post[t, j]*block_out[t] + sum_i comb[t, i, j]*streams[t, i].
+
+        block_out: [T, D]; streams: [T, n, D]; post [T, n], comb [T, n, n] float32 (cast to streams.dtype
+        first, as the reference model does). Returns [T, n, D] streams.dtype.
+        Tolerance: float32 1e-5, bfloat16 2e-2 relative.
+        """
+        dtype = streams.dtype
+        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
+
+    def hc_head(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+    ) -> torch.Tensor:
+        """Final stream collapse: pre = sigmoid((fn @ x)*scale + base) + hc_eps, out = sum_i pre_i*streams_i.
+
+        streams [T, n, D]; fn [n, n*D], base [n], scale [1] float32; x = unweighted RMSNorm (norm_eps)
+        of the flattened streams in float32. Returns [T, D] streams.dtype.
+        Tolerance: float32 1e-5, bfloat16 1e-2 relative.
+        """
+        flat = streams.flatten(1).float()
+        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+        mix = torch.nn.functional.linear(flat, fn.float())
+        pre = torch.sigmoid(mix * scale.float() + base.float()) + hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+    def compress_kv(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        ape: torch.Tensor,
+        norm_weight: torch.Tensor,
+        norm_eps: float,
+        inv_freq: torch.Tensor,
+        ratio: int,
+        overlap: bool,
+        state_kv: torch.Tensor,
+        state_gate: torch.Tensor,
+        entries: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> None:
+        """Gated pooling compressor: emit every entry closed by this step's tokens into the paged cache.
+
+        kv, gate: [T, P] raw projections of the step's tokens (P = 2c with overlap (CSA), else c);
+        ape: [ratio, P] float32; norm_weight [c] float32; inv_freq [r/2] float32.
+        Entry w pools the tokens of window [w*ratio, (w+1)*ratio): per channel, a float32 softmax over the
+        slots of (gate + ape[s % ratio]) weights the kv values. With overlap, the slots are the first halves
+        (channels :c) of window w-1's tokens (absent for w=0) and the second halves (c:) of window w's.
+        The pooled vector gets RMSNorm(norm_weight) and RoPE at position w*ratio, and is written to
+        `entries` [num_blocks, block_size // ratio, c] at block_tables[i][(w*ratio)//block_size], offset
+        ((w*ratio) % block_size) // ratio. Entries emitted: context_len//ratio .. (context_len+q)//ratio - 1.
+        Mutates: `entries`, and `state_kv` / `state_gate` [num_slots, span, P] (span = 2*ratio with overlap,
+        else ratio; position p at p % span), which keep the raw projections of recent tokens for windows
+        still open after the step. Rows of a sequence with context_len 0 never read its slot.
+        Tolerance: float32 1e-5, bfloat16 2e-2 relative.
+        """
+        span = state_kv.shape[1]
+        block_size = ratio * entries.shape[1]
+        width = entries.shape[-1]
+        for i, (start, q, ctx) in enumerate(_sequences(batch)):
+            slot, end = batch.slot_ids_cpu[i], ctx + q
+            first, last = ctx // ratio, end // ratio
+            if last > first:
+                lo = max(0, (first - 1) * ratio) if overlap else first * ratio
+                cached = torch.arange(lo, ctx, device=kv.device) % span
+                seq_kv = torch.cat([state_kv[slot, cached], kv[start:start + q]])
+                seq_gate = torch.cat([state_gate[slot, cached], gate[start:start + q]])
+                windows = torch.arange(first, last, device=kv.device)
+                pooled = _pool_windows(seq_kv, seq_gate, ape, windows, lo, ratio, overlap, width)
+                pooled = self.rms_norm(pooled, norm_weight, norm_eps)
+                pooled = self.rope(pooled, windows * ratio, inv_freq)
+                table = batch.block_tables[i].to(torch.long)
+                blocks = table[(windows * ratio) // block_size]
+                entries[blocks, ((windows * ratio) % block_size) // ratio] = pooled.to(entries.dtype)
+            keep = torch.arange(max(ctx, end - span), end, device=kv.device)
+            state_kv[slot, keep % span] = kv[start + keep - ctx].to(state_kv.dtype)
+            state_gate[slot, keep % span] = gate[start + keep - ctx].to(state_gate.dtype)
+
+    def indexer_topk(
+        self,
+        q: torch.Tensor,
+        head_weights: torch.Tensor,
+        index_keys: torch.Tensor,
+        ratio: int,
+        topk: int,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Lightning indexer: per query, the compressed entries with the top scores.
+
+        q: [T, Hi, di] (RoPE applied); head_weights: [T, Hi] (raw weights_proj output); index_keys: paged
+        [num_blocks, block_size // ratio, di] holding entries 0 .. (context_len+q)//ratio - 1 of each sequence.
+        Score(t, w) = sum_h (head_weights[t,h] * Hi^-0.5) * ReLU(q[t,h] . K[w]) * di^-0.5, in float32.
+        Entries w >= (pos_t+1)//ratio are not visible. Returns int64 [T, topk]: the visible entries in
+        descending score order, ties broken by the lowest entry index (stable sort), padded with -1.
+        Exact on the returned set whenever scores do not tie at the boundary.
+        """
+        out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
+        for i, (start, n_q, ctx) in enumerate(_sequences(batch)):
+            n_entries = (ctx + n_q) // ratio
+            if n_entries == 0:
+                continue
+            keys = _gather_entries(index_keys, batch.block_tables[i], n_entries, ratio).float()
+            rows = slice(start, start + n_q)
+            scores = torch.relu(torch.einsum("qhd,wd->qhw", q[rows].float(), keys)) * q.shape[-1] ** -0.5
+            weights = head_weights[rows].float() * q.shape[1] ** -0.5
+            scores = (scores * weights.unsqueeze(-1)).sum(dim=1)
+            visible = _visible_entries(batch.positions[rows], n_entries, ratio)
+            scores = scores.masked_fill(~visible, float("-inf"))
+            order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
+            picked = torch.where(visible.gather(1, order), order, torch.full_like(order, -1))
+            out[rows, : picked.shape[1]] = picked
+        return out
+
+    def sparse_attention(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        window: torch.Tensor,
+        sinks: torch.Tensor,
+        scale: float,
+        batch: ForwardBatch,
+        entries: torch.Tensor | None = None,
+        ratio: int = 0,
+        selected: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Shared-KV multi-head attention over window + compressed entries, with a per-head sink.
+
+        q: [T, H, d]; kv: [T, d], this step's K=V vectors; window: [num_slots, W, d] ring holding each
+        sequence's positions < context_len at p % W (read only for positions in the window). Query at
+        position t sees: kv of positions s with t-W < s <= t (ring, then this step's rows), and, when
+        `entries` [num_blocks, block_size // ratio, d] is given, the compressed entries w < (t+1)//ratio
+        (all of them if `selected` is None, else only those listed in `selected` [T, k], -1 = none).
+        logits = (q . k) * scale, plus a sink logit sinks[h] (float32, unscaled) whose probability is
+        dropped; softmax in float32; probabilities cast to kv.dtype for the value sum.
+        Returns [T, H, d] in q.dtype. Tolerance: float32 1e-5, bfloat16 2e-2 relative.
+        """
+        out = torch.empty_like(q)
+        ring = window.shape[1]
+        for i, (start, n_q, ctx) in enumerate(_sequences(batch)):
+            slot, rows = batch.slot_ids_cpu[i], slice(start, start + n_q)
+            key_pos = torch.arange(max(0, ctx - ring + 1), ctx + n_q, device=q.device)
+            keys = torch.cat([window[slot, key_pos[key_pos < ctx] % ring].to(kv.dtype), kv[rows]])
+            pos = batch.positions[rows]
+            mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - ring)
+            if entries is not None:
+                n_entries = (ctx + n_q) // ratio
+                keys = torch.cat([keys, _gather_entries(entries, batch.block_tables[i], n_entries, ratio).to(kv.dtype)])
+                visible = _visible_entries(pos, n_entries, ratio)
+                if selected is not None:
+                    chosen = torch.zeros(n_q, n_entries + 1, dtype=torch.bool, device=q.device)
+                    picks = selected[rows].clamp(min=-1) % (n_entries + 1)
+                    chosen.scatter_(1, picks, True)
+                    visible = visible & chosen[:, :n_entries]
+                mask = torch.cat([mask, visible], dim=1)
+            logits = torch.einsum("qhd,kd->hqk", q[rows], keys) * scale
+            logits = logits.float().masked_fill(~mask.unsqueeze(0), float("-inf"))
+            sink = sinks.float().view(-1, 1, 1).expand(-1, n_q, 1)
+            logits = torch.cat([logits, sink], dim=-1)
+            logits = logits - logits.amax(dim=-1, keepdim=True)
+            probs = torch.softmax(logits, dim=-1)[..., :-1].to(kv.dtype)
+            out[rows] = torch.einsum("hqk,kd->qhd", probs, keys).to(q.dtype)
+        return out
+
+    def store_window(self, kv: torch.Tensor, window: torch.Tensor, batch: ForwardBatch) -> None:
+        """Write this step's K=V vectors into the sliding-window ring.
+
+        kv: [T, d]; window: [num_slots, W, d] mutated: each sequence's last min(q, W) positions p of the
+        step land at window[slot, p % W]. Exact.
+        """
+        ring = window.shape[1]
+        for i, (start, n_q, ctx) in enumerate(_sequences(batch)):
+            keep = torch.arange(max(ctx, ctx + n_q - ring), ctx + n_q, device=kv.device)
+            window[batch.slot_ids_cpu[i], keep % ring] = kv[start + keep - ctx].to(window.dtype)
+
+    def route(
+        self,
+        x: torch.Tensor,
+        gate_weight: torch.Tensor,
+        top_k: int,
+        routed_scaling_factor: float,
+        scoring_func: str = "sqrtsoftplus",
+        bias: torch.Tensor | None = None,
+        tid2eid: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MoE routing: which experts each token uses, and their weights.
+
+        x: [T, D]; gate_weight: [E, D]. scores = f(x @ gate_weight.T) in float32 with f = sqrt(softplus)
+        ("sqrtsoftplus"), sigmoid or softmax. Hash routing (tid2eid [V, k] int64 given): ids =
+        tid2eid[input_ids]. Score routing: ids = top-k of scores + bias (bias [E] float32 or None), the
+        bias only selects. weights = scores[ids] / (sum + 1e-20) * routed_scaling_factor.
+        Returns (weights [T, k] float32, ids [T, k] int64). Tolerance: float32 1e-5, bfloat16 2e-2 on
+        weights; ids exact when scores do not tie.
+        """
+        logits = torch.nn.functional.linear(x, gate_weight.to(x.dtype)).float()
+        if scoring_func == "sqrtsoftplus":
+            scores = torch.nn.functional.softplus(logits).sqrt()
+        elif scoring_func == "sigmoid":
+            scores = torch.sigmoid(logits)
+        else:
+            scores = torch.softmax(logits, dim=-1)
+        if tid2eid is not None:
+            ids = tid2eid[input_ids].long()
+        else:
+            biased = scores if bias is None else scores + bias.float()
+            ids = torch.topk(biased, top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * routed_scaling_factor, ids
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        experts: Sequence[MlpWeights | None],
+        shared: MlpWeights,
+        swiglu_limit: float,
+    ) -> torch.Tensor:
+        """Routed experts plus the shared expert, each a clamped SwiGLU MLP.
+
+        x: [T, D]; weights [T, k] float32, ids [T, k] int64 from `route`; experts[e] holds expert e's
+        w1, w3 [I, D] and w2 [D, I] (dense, fp8 or fp4 as in `linear`); None = not held by this rank
+        (its rows contribute nothing). mlp(x) = w2 @ (silu(min(w1 x, L)) * clamp(w3 x, -L, L)), L = swiglu_limit.
+        out = sum_k weights[t,k] * mlp_{ids[t,k]}(x[t]) + mlp_shared(x[t]), returned in x.dtype; each routed
+        output is weighted after w2 and accumulated in x.dtype, in ascending expert order.
+        Tolerance: float32 1e-5, bfloat16 3e-2 relative.
+        """
+        out = torch.zeros_like(x)
+        for expert in torch.unique(ids).tolist():
+            if experts[expert] is None:
+                continue
+            rows, slot = torch.where(ids == expert)
+            y = self._swiglu(x[rows], experts[expert], swiglu_limit) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out + self._swiglu(x, shared, swiglu_limit)
+
+    def _swiglu(self, x: torch.Tensor, mlp: MlpWeights, limit: float) -> torch.Tensor:
+        gate = self.linear(x, mlp.w1, mlp.w1_scale, mlp.block).clamp(max=limit)
+        up = self.linear(x, mlp.w3, mlp.w3_scale, mlp.block).clamp(min=-limit, max=limit)
+        return self.linear(torch.nn.functional.silu(gate) * up, mlp.w2, mlp.w2_scale, mlp.block)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        positions: torch.Tensor,
+        top_k: torch.Tensor | None = None,
+        top_p: torch.Tensor | None = None,
+        min_p: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Draw one token per row. Returns [N] int64 token ids; nothing is mutated.
+
+        logits: [N, V] float32. temperature: [N] float32, 0 = greedy (argmax of the raw logits).
+        seeds: [N] int64 in [0, 2**63); positions: [N] int64, the output index of the token drawn.
+        top_k [N] int64 (0 = off), top_p [N] float32 (>= 1 = off), min_p [N] float32 (0 = off);
+        a filter is None when no row uses it. Rows with temperature > 0 draw from
+        softmax(logits / T) restricted by top_k, then top_p (on what top_k kept), then min_p
+        (relative to the most likely token), via argmax(logits / T + Gumbel(u)) where u is the
+        counter-based uniform `deepinfer_core.engine.sampler.counter_uniform(seeds, positions, V)`,
+        a pure function of (seed, position, token id): a row's draw never depends on the batch.
+        Tolerance: exact token ids (a backend must use the same uniforms; float rounding may only
+        flip rows whose two best scores tie to within a few ulps).
+        """
+        from deepinfer_core.engine.sampler import sample_reference
+
+        return sample_reference(logits, temperature, seeds, positions, top_k, top_p, min_p)
+
+    # --- DeepSeek-V4.1 (MODEL_SPEC_V41) -------------------------------------------------------------
+
+    def hc_mix(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+        sinkhorn_iters: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Single-pass mHC coefficients (V4.1): the (pre, post, comb) of `hc_pre`, without the collapse.
+
+        streams: [T, n, D]; fn [(2+n)*n, n*D], base [(2+n)*n], scale [3] float32; formulas as `hc_pre`.
+        Returns (pre [T, n], post [T, n], comb [T, n, n]) float32; V4.1 collapses with the *previous*
+        site's pre (`hc_collapse`). Tolerance: float32 1e-5, bfloat16 1e-2 relative.
+        """
+        n = streams.shape[1]
+        flat = streams.flatten(1).float()
+        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+        mix = torch.nn.functional.linear(flat, fn.float())
+        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+        pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+        post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+        comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+        for _ in range(sinkhorn_iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+        return pre, post, comb
+
+    def hc_collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """sum_i pre[t, i] * streams[t, i] in float32, cast to streams.dtype.
+
+        streams [T, n, D]; pre [T, n] float32. Returns [T, D]. Tolerance: float32 1e-5, bfloat16 1e-2.
+        """
+        return (pre.float().unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
+
+    def hc_expand(
+        self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        """V4.1 stream update, all in float32: out[t, k] = post[t, k]*block_out[t] + sum_j comb[t, j, k]*streams[t, j].
+
+        block_out [T, D]; streams [T, n, D]; post [T, n], comb [T, n, n] float32. Returns [T, n, D] in
+        streams.dtype (one cast at the end, unlike `hc_post`). Tolerance: float32 1e-5, bfloat16 1e-2.
+        """
+        mixed = torch.matmul(comb.float().transpose(-1, -2), streams.float())
+        return (post.float().unsqueeze(-1) * block_out.float().unsqueeze(-2) + mixed).to(streams.dtype)
+
+    def route_fp32(
+        self,
+        x: torch.Tensor,
+        gate_weight: torch.Tensor,
+        bias: torch.Tensor,
+        top_k: int,
+        routed_scaling_factor: float,
+        gate_temp: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """V4.1 router: everything in float32, logits divided by `gate_temp`.
+
+        x [T, D]; gate_weight [E, D]; bias [E] float32 (selection only). scores = sqrt(softplus(
+        (x32 @ W32.T) / gate_temp)); ids = top-k of scores + bias, in descending order; weights =
+        scores[ids] / (sum + 1e-20) when top_k > 1, times routed_scaling_factor.
+        Returns (weights [T, k] float32, ids [T, k] int64). Tolerance: weights float32 1e-5, bfloat16
+        2e-2; ids exact unless scores tie.
+        """
+        logits = torch.nn.functional.linear(x.float(), gate_weight.float()) / gate_temp
+        scores = torch.nn.functional.softplus(logits).sqrt()
+        ids = torch.topk(scores + bias.float(), top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * routed_scaling_factor, ids
+
+    def fused_moe_prescaled(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        experts: Sequence[MlpWeights | None],
+        shared: MlpWeights,
+        swiglu_limit: float,
+    ) -> torch.Tensor:
+        """V4.1 MoE: the routing weight multiplies the activation before w2; float32 accumulation.
+
+        x [T, D]; weights [T, k] float32 and ids [T, k] int64 from `route_fp32`; experts / shared as in
+        `fused_moe`. Per expert: g = (w1 x) and u = (w3 x) in x.dtype, then float32: u = clamp(u, -L, L),
+        g = min(g, L), a = silu(g) * u * weight, cast to x.dtype, y = w2 a; routed outputs are summed in
+        float32 in ascending expert order, then the shared expert (no weight) is added in float32; the
+        sum is cast to x.dtype. Tolerance: float32 1e-5, bfloat16 3e-2 relative.
+        """
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for expert in torch.unique(ids).tolist():
+            if experts[expert] is None:
+                continue
+            rows, slot = torch.where(ids == expert)
+            y = self._swiglu_prescaled(x[rows], experts[expert], swiglu_limit, weights[rows, slot, None])
+            out.index_add_(0, rows, y.float())
+        out += self._swiglu_prescaled(x, shared, swiglu_limit, None).float()
+        return out.to(x.dtype)
+
+    def _swiglu_prescaled(
+        self, x: torch.Tensor, mlp: MlpWeights, limit: float, weight: torch.Tensor | None
+    ) -> torch.Tensor:
+        gate = self.linear(x, mlp.w1, mlp.w1_scale, mlp.block).float().clamp(max=limit)
+        up = self.linear(x, mlp.w3, mlp.w3_scale, mlp.block).float().clamp(min=-limit, max=limit)
+        act = torch.nn.functional.silu(gate) * up
+        if weight is not None:
+            act = act * weight
+        return self.linear(act.to(x.dtype), mlp.w2, mlp.w2_scale, mlp.block)
+
+    def gated_pool(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Per-channel softmax pooling of non-overlapping groups (the V4.1 compressor, ratio > 1).
+
+        kv, gate: [G, r, c] float32 raw projections of each group's r tokens. Returns [G, c] float32,
+        out[g, c] = sum_s softmax_s(gate[g, :, c])[s] * kv[g, s, c]. Tolerance: float32 1e-5.
+        """
+        return (kv.float() * torch.softmax(gate.float(), dim=1)).sum(dim=1)
+
+    def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+        """Lightning-indexer scores of one sequence's queries against its index keys (no masking).
+
+        q [S, Hi, di]; keys [N, di]; head_weights [S, Hi] raw weights_proj output. In float32:
+        I[s, w] = sum_h head_weights[s, h] * Hi^-0.5 * ReLU(q[s, h] . keys[w]) * di^-0.5. Returns [S, N]
+        float32. Tolerance: float32 1e-5 relative (the caller's top-k is tie-sensitive).
+        """
+        scores = torch.relu(torch.einsum("shd,nd->shn", q.float(), keys.float())) * q.shape[-1] ** -0.5
+        weights = head_weights.float() * q.shape[1] ** -0.5
+        return (scores * weights.unsqueeze(-1)).sum(dim=1)
+
+    def engram_gate(
+        self, streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """Engram injection: each stream adds the value, gated by its normalised match with its key.
+
+        streams, key [T, n, D]; value [T, D]; weight [n, D] float32 (q_weight * k_weight). In float32:
+        dot = sum_d X*weight*key * rsqrt(mean(X^2)+eps) * rsqrt(mean(key^2)+eps) * D^-0.5;
+        g = sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6))); out = X + g*value. Returns [T, n, D] streams.dtype.
+        Tolerance: float32 1e-5, bfloat16 1e-2 relative.
+        """
+        h, k = streams.float(), key.float()
+        rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(k.square().mean(-1) + eps)
+        dot = (h * weight.float() * k).sum(-1) * rstd * h.shape[-1] ** -0.5
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)
+
+    def fp8_block_quantize(self, x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+        """V4.1 window-KV format: e4m3 values with one power-of-two (ue8m0) scale per `block` channels.
+
+        x [..., d] float (d % block == 0). Per block, in float32: s = 2^ceil(log2(max(amax, 1e-4) *
+        fp32(1/448))) (exponent bits, +1 if the mantissa is non-zero); values = e4m3(clamp(x/s, +-448)).
+        Returns (values float8_e4m3fn [..., d], exponents uint8 [..., d/block] = log2(s) + 127). Exact.
+        """
+        blocks = x.float().unflatten(-1, (-1, block))
+        amax = blocks.abs().amax(-1).clamp_min(1e-4)
+        exponent = _ceil_log2(amax * (1.0 / 448.0))
+        scale = torch.exp2(exponent.float()).unsqueeze(-1)
+        values = (blocks / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return values.flatten(-2), (exponent + 127).to(torch.uint8)
+
+    def fp8_block_dequantize(self, values: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Inverse of `fp8_block_quantize`: values * 2^(exponents - 127) per block, as `dtype`. Exact."""
+        block = values.shape[-1] // exponents.shape[-1]
+        scale = torch.exp2(exponents.float() - 127.0).unsqueeze(-1)
+        return (values.float().unflatten(-1, (-1, block)) * scale).flatten(-2).to(dtype)
+
+    def fp4_block_quantize(
+        self, x: torch.Tensor, block: int, scale_format: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """V4.1 fp4 formats: e2m1 codes, one scale per `block` channels.
+
+        x [..., d] float (d % block == 0, d even). scale_format "e4m3" (compressed KV, block 16):
+        s = e4m3(max(amax, 6*2^-9) / 6), round to nearest. "ue8m0" (indexer q/k, block 32):
+        s = 2^ceil(log2(max(amax, 6*2^-126) * fp32(1/6))). codes = e2m1(clamp(x/s, +-6)): |q| against
+        0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0; a tie at 0.25, 1.25, 2.5, 5.0 rounds down, at 0.75, 1.75,
+        3.5 up (even code); sign bit (code bit 3) from signbit. Returns (codes uint8 [..., d/2] packed,
+        channel 2j in the low nibble, and scales: float8_e4m3fn or uint8 exponent+127 [..., d/block]). Exact.
+        """
+        blocks = x.float().unflatten(-1, (-1, block))
+        amax = blocks.abs().amax(-1)
+        if scale_format == "e4m3":
+            scales = (amax.clamp_min(6.0 * 2.0**-9) / 6.0).to(torch.float8_e4m3fn)
+            scale = scales.float()
+        elif scale_format == "ue8m0":
+            exponent = _ceil_log2(amax.clamp_min(6.0 * 2.0**-126) * (1.0 / 6.0))
+            scales, scale = (exponent + 127).to(torch.uint8), torch.exp2(exponent.float())
+        else:
+            raise ValueError(f"fp4 scale_format must be 'e4m3' or 'ue8m0', got {scale_format!r}")
+        q = (blocks / scale.unsqueeze(-1)).clamp(-6.0, 6.0)
+        codes = (q.abs().unsqueeze(-1) >= _e2m1_thresholds(q.device)).sum(-1).to(torch.uint8)
+        codes = (codes | (torch.signbit(q).to(torch.uint8) << 3)).flatten(-2)
+        return codes[..., 0::2] | (codes[..., 1::2] << 4), scales
+
+    def fp4_block_dequantize(self, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Inverse of `fp4_block_quantize` (scale format read from scales.dtype), as `dtype`. Exact."""
+        codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()
+        values = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=packed.device)[codes]
+        if scales.dtype == torch.uint8:
+            scale = torch.exp2(scales.float() - 127.0)
+        else:
+            scale = scales.float()
+        block = values.shape[-1] // scales.shape[-1]
+        return (values.unflatten(-1, (-1, block)) * scale.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+def _dequantized(
+    weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None, dtype: torch.dtype
+) -> torch.Tensor:
+    if weight.dtype == torch.float8_e4m3fn:
+        from deepinfer_core.quantization import dequantize_fp8_block
+
+        return dequantize_fp8_block(weight, scale, block, dtype)
+    if weight.dtype == torch.int8:
+        from deepinfer_core.quantization import dequantize_fp4
+
+        return dequantize_fp4(weight, scale, dtype)
+    return weight.to(dtype)
+
+
+def _sequences(batch: ForwardBatch) -> Iterator[tuple[int, int, int]]:
+    """(first row, query length, context length) of each sequence of the step."""
+    start = 0
+    for n_q, ctx in zip(batch.query_lens_cpu, batch.context_lens_cpu):
+        yield start, n_q, ctx
+        start += n_q
+
+
+def _gather_entries(paged: torch.Tensor, block_table: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
+    """Entries 0..n_entries-1 of one sequence from a paged [num_blocks, block_size // ratio, c] pool."""
+    per_block = paged.shape[1]
+    w = torch.arange(n_entries, device=paged.device)
+    return paged[block_table.to(torch.long)[w // per_block], w % per_block]
+
+
+def _visible_entries(positions: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
+    """[q, n_entries] bool: entry w is complete for the query at position t iff w < (t+1) // ratio."""
+    w = torch.arange(n_entries, device=positions.device)
+    return w[None, :] < ((positions + 1) // ratio)[:, None]
+
+
+def _pool_windows(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    windows: torch.Tensor,
+    first_pos: int,
+    ratio: int,
+    overlap: bool,
+    width: int,
+) -> torch.Tensor:
+    """Softmax-gated pooling of windows `windows`; kv/gate rows are positions first_pos.. ."""
+    offsets = torch.arange(ratio, device=kv.device)
+    own = windows[:, None] * ratio + offsets[None, :] - first_pos
+    if not overlap:
+        slots_kv, slots_gate = kv[own], gate[own] + ape
+    else:
+        prev = (own - ratio).clamp(min=0)
+        has_prev = (windows > 0)[:, None, None]
+        prev_gate = torch.where(has_prev, gate[prev][..., :width] + ape[:, :width], float("-inf"))
+        prev_kv = torch.where(has_prev, kv[prev][..., :width], 0.0)
+        slots_kv = torch.cat([prev_kv, kv[own][..., width:]], dim=1)
+        slots_gate = torch.cat([prev_gate, gate[own][..., width:] + ape[:, width:]], dim=1)
+    probs = torch.softmax(slots_gate.float(), dim=1).to(kv.dtype)
+    return (slots_kv * probs).sum(dim=1)
+
+
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _ceil_log2(t: torch.Tensor) -> torch.Tensor:
+    """int32 ceil(log2(t)) of positive normal float32 t, from the bits: exponent - 127, +1 if mantissa != 0."""
+    bits = t.float().contiguous().view(torch.int32)
+    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+
+
+def _e2m1_thresholds(device: torch.device) -> torch.Tensor:
+    """|q| >= threshold[i] moves the e2m1 code past i; ties round to the even code (MODEL_SPEC_V41 §5)."""
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32, device=device)
+    tie_up = torch.tensor([False, True, False, True, False, True, False], device=device)
+    return torch.where(tie_up, midpoints, torch.nextafter(midpoints, torch.full_like(midpoints, float("inf"))))

@@ -14,6 +14,9 @@ from typing import Any, Callable
 
 import torch
 
+from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
+
 __all__ = ["OpCase", "OP_CASES"]
 
 
@@ -43,6 +46,161 @@ def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32
 _TOL_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 _TOL_ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
+
+def _step_batch(
+    gen: torch.Generator, query_lens: list[int], context_lens: list[int], num_slots: int, blocks_per_seq: int,
+    num_blocks: int,
+) -> ForwardBatch:
+    """A step over several sequences with distinct random slots and shuffled block tables."""
+    slots = torch.randperm(num_slots, generator=gen)[: len(query_lens)].tolist()
+    blocks = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [blocks[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(len(query_lens))]
+    positions = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens)])
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(starts[-1])
+    return ForwardBatch(
+        input_ids=torch.randint(0, 97, (total,), generator=gen),
+        positions=positions,
+        query_start_loc=starts,
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        slot_ids=torch.tensor(slots, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        logits_indices=starts[1:].long() - 1,
+        query_lens_cpu=list(query_lens),
+        context_lens_cpu=list(context_lens),
+        slot_ids_cpu=slots,
+        block_tables_cpu=tables,
+    )
+
+
+# Mixed step: a fresh prefill, a chunk continuing a prefill, two decodes.
+_QUERY_LENS, _CONTEXT_LENS = [11, 6, 1, 1], [0, 9, 22, 5]
+
+
+def _rope_inputs(gen, dt, inverse):
+    x = _randn(gen, 9, 3, 24, dtype=dt)
+    positions = torch.randint(0, 5000, (9,), generator=gen)
+    inv_freq = 1.0 / (160000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    return (x, positions, inv_freq, inverse), {}
+
+
+def _hc_pre_inputs(gen, dt):
+    n, d = 4, 40
+    streams = _randn(gen, 7, n, d, dtype=dt)
+    fn = _randn(gen, (2 + n) * n, n * d) * 0.1
+    return (streams, fn, _randn(gen, (2 + n) * n) * 0.5, torch.rand(3, generator=gen) + 0.5, 1e-6, 1e-6, 20), {}
+
+
+def _hc_post_inputs(gen, dt):
+    n, d = 4, 40
+    comb = torch.softmax(_randn(gen, 7, n, n), dim=-1)
+    post = 2 * torch.sigmoid(_randn(gen, 7, n))
+    return (_randn(gen, 7, d, dtype=dt), _randn(gen, 7, n, d, dtype=dt), post, comb), {}
+
+
+def _hc_head_inputs(gen, dt):
+    n, d = 2, 40
+    fn, base, scale = _randn(gen, n, n * d) * 0.1, _randn(gen, n) * 0.5, torch.rand(1, generator=gen) + 0.5
+    return (_randn(gen, 7, n, d, dtype=dt), fn, base, scale, 1e-6, 1e-6), {}
+
+
+def _compress_inputs(gen, dt, ratio, overlap):
+    width, block_size, num_blocks, num_slots = 16, 8, 24, 6
+    batch = _step_batch(gen, _QUERY_LENS, _CONTEXT_LENS, num_slots, blocks_per_seq=4, num_blocks=num_blocks)
+    proj = 2 * width if overlap else width
+    span = 2 * ratio if overlap else ratio
+    tokens = batch.num_tokens
+    args = (
+        _randn(gen, tokens, proj, dtype=dt), _randn(gen, tokens, proj, dtype=dt), _randn(gen, ratio, proj) * 0.5,
+        torch.rand(width, generator=gen) + 0.5, 1e-6,
+        1.0 / (160000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8)), ratio, overlap,
+        _randn(gen, num_slots, span, proj, dtype=dt), _randn(gen, num_slots, span, proj, dtype=dt),
+        _randn(gen, num_blocks, block_size // ratio, width, dtype=dt), batch,
+    )
+    return args, {}
+
+
+def _indexer_inputs(gen, dt):
+    ratio, block_size = 4, 8
+    batch = _step_batch(gen, _QUERY_LENS, _CONTEXT_LENS, 6, blocks_per_seq=4, num_blocks=24)
+    keys = _randn(gen, 24, block_size // ratio, 16, dtype=dt)
+    return (_randn(gen, batch.num_tokens, 8, 16, dtype=dt), _randn(gen, batch.num_tokens, 8, dtype=dt),
+            keys, ratio, 3, batch), {}
+
+
+def _attention_inputs(gen, dt, ratio, with_selection):
+    heads, dim, window, block_size = 4, 32, 8, 8
+    batch = _step_batch(gen, _QUERY_LENS, _CONTEXT_LENS, 6, blocks_per_seq=4, num_blocks=24)
+    tokens = batch.num_tokens
+    kwargs = {}
+    if ratio:
+        kwargs = {"entries": _randn(gen, 24, block_size // ratio, dim, dtype=dt), "ratio": ratio}
+        if with_selection:
+            kwargs["selected"] = KernelOps().indexer_topk(
+                _randn(gen, tokens, 8, 16), _randn(gen, tokens, 8), _randn(gen, 24, block_size // ratio, 16),
+                ratio, 3, batch,
+            )
+    args = (_randn(gen, tokens, heads, dim, dtype=dt), _randn(gen, tokens, dim, dtype=dt),
+            _randn(gen, 6, window, dim, dtype=dt), _randn(gen, heads) * 0.5, dim**-0.5, batch)
+    return args, kwargs
+
+
+def _store_window_inputs(gen, dt):
+    batch = _step_batch(gen, _QUERY_LENS, _CONTEXT_LENS, 6, blocks_per_seq=4, num_blocks=24)
+    return (_randn(gen, batch.num_tokens, 32, dtype=dt), _randn(gen, 6, 8, 32, dtype=dt), batch), {}
+
+
+def _route_inputs(gen, dt, hashed):
+    experts, top_k, tokens = 16, 4, 13
+    kwargs = {"bias": _randn(gen, experts) * 0.1}
+    if hashed:
+        ids = torch.randint(0, 97, (tokens,), generator=gen)
+        table = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(97)])
+        kwargs = {"tid2eid": table, "input_ids": ids}
+    return (_randn(gen, tokens, 64, dtype=dt), _randn(gen, experts, 64, dtype=dt) * 0.2, top_k, 1.5), kwargs
+
+
+def _mlp(gen, dt, hidden, inter, fmt):
+    if fmt == "fp8":
+        from deepinfer_core.quantization import quantize_fp8_block
+
+        parts = [quantize_fp8_block(_randn(gen, *shape) * 0.2, (16, 32)) for shape in
+                 ((inter, hidden), (inter, hidden), (hidden, inter))]
+        return MlpWeights(parts[0][0], parts[1][0], parts[2][0], parts[0][1], parts[1][1], parts[2][1], (16, 32))
+    if fmt == "fp4":
+        from deepinfer_core.quantization import quantize_fp4
+
+        shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+        parts = [quantize_fp4(_randn(gen, *shape) * 0.2) for shape in shapes]
+        return MlpWeights(parts[0][0], parts[1][0], parts[2][0], parts[0][1], parts[1][1], parts[2][1])
+    return MlpWeights(_randn(gen, inter, hidden, dtype=dt) * 0.2, _randn(gen, inter, hidden, dtype=dt) * 0.2,
+                      _randn(gen, hidden, inter, dtype=dt) * 0.2)
+
+
+def _moe_inputs(gen, dt, expert_fmt, shared_fmt):
+    experts, top_k, tokens, hidden, inter = 6, 2, 11, 64, 32
+    x = _randn(gen, tokens, hidden, dtype=dt) * 2
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
+    mlps = [_mlp(gen, dt, hidden, inter, expert_fmt) for _ in range(experts)]
+    return (x, weights, ids, mlps, _mlp(gen, dt, hidden, inter, shared_fmt), 1.5), {}
+
+
+def _quantized_linear_inputs(gen, dt, fmt):
+    from deepinfer_core.quantization import quantize_fp4, quantize_fp8_block
+
+    w = _randn(gen, 40, 96) / 10
+    if fmt == "fp8":
+        weight, scale = quantize_fp8_block(w, (16, 32))
+        return (_randn(gen, 13, 96, dtype=dt), weight, scale, (16, 32)), {}
+    weight, scale = quantize_fp4(w)
+    return (_randn(gen, 13, 96, dtype=dt), weight, scale), {}
+
+
+# Attention / MoE-sized reductions: bf16 rounding of each product and of the outputs.
+_WIDE_RTOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+_WIDE_ATOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
 OP_CASES: list[OpCase] = [
     OpCase(
         "rms_norm", "weighted_odd_width",
@@ -59,4 +217,166 @@ OP_CASES: list[OpCase] = [
         lambda g, dt: ((_randn(g, 13, 96, dtype=dt), _randn(g, 37, 96, dtype=dt) / 10), {}),
         rtol=_TOL_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 3e-2},
     ),
+    OpCase(
+        "linear", "fp8_block",
+        lambda g, dt: _quantized_linear_inputs(g, dt, "fp8"),
+        rtol=_TOL_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 3e-2},
+    ),
+    OpCase(
+        "linear", "fp4",
+        lambda g, dt: _quantized_linear_inputs(g, dt, "fp4"),
+        rtol=_TOL_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 3e-2},
+    ),
+    OpCase(
+        "grouped_linear", "two_groups",
+        lambda g, dt: ((_randn(g, 9, 2, 48, dtype=dt), _randn(g, 2 * 24, 48, dtype=dt) / 10), {}),
+        rtol=_TOL_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 3e-2},
+    ),
+    OpCase(
+        "embedding", "rows",
+        lambda g, dt: ((torch.randint(0, 50, (17,), generator=g), _randn(g, 50, 24, dtype=dt)), {}),
+    ),
+    OpCase("rope", "forward", lambda g, dt: _rope_inputs(g, dt, False), rtol=_TOL_RTOL, atol=_TOL_ATOL),
+    OpCase("rope", "inverse", lambda g, dt: _rope_inputs(g, dt, True), rtol=_TOL_RTOL, atol=_TOL_ATOL),
+    OpCase("hc_pre", "four_streams", _hc_pre_inputs, rtol=_TOL_RTOL, atol=_TOL_ATOL),
+    OpCase("hc_post", "four_streams", _hc_post_inputs, rtol=_WIDE_RTOL, atol=_WIDE_ATOL),
+    OpCase("hc_head", "two_streams", _hc_head_inputs, rtol=_TOL_RTOL, atol=_TOL_ATOL),
+    OpCase(
+        "compress_kv", "csa_overlap",
+        lambda g, dt: _compress_inputs(g, dt, 4, True), rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
+    ),
+    OpCase(
+        "compress_kv", "hca",
+        lambda g, dt: _compress_inputs(g, dt, 8, False), rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
+    ),
+    # Integer output: exact. Random scores over <= 8 entries essentially never tie.
+    OpCase("indexer_topk", "mixed_step", _indexer_inputs, dtypes=(torch.float32,)),
+    OpCase(
+        "sparse_attention", "sliding",
+        lambda g, dt: _attention_inputs(g, dt, 0, False), rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
+    ),
+    OpCase(
+        "sparse_attention", "hca",
+        lambda g, dt: _attention_inputs(g, dt, 8, False), rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
+    ),
+    OpCase(
+        "sparse_attention", "csa_selected",
+        lambda g, dt: _attention_inputs(g, dt, 4, True), rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
+    ),
+    OpCase("store_window", "mixed_step", _store_window_inputs),
+    OpCase(
+        "route", "score", lambda g, dt: _route_inputs(g, dt, False),
+        dtypes=(torch.float32,), rtol=_TOL_RTOL, atol=_TOL_ATOL,
+    ),
+    OpCase(
+        "route", "hash", lambda g, dt: _route_inputs(g, dt, True), rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
+    ),
+    OpCase(
+        "fused_moe", "dense", lambda g, dt: _moe_inputs(g, dt, "dense", "dense"),
+        rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
+    ),
+    OpCase(
+        "fused_moe", "fp4_experts_fp8_shared", lambda g, dt: _moe_inputs(g, dt, "fp4", "fp8"),
+        rtol=_WIDE_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 6e-2},
+    ),
+    OpCase(
+        "sample", "mixed_rows_all_filters",
+        lambda g, dt: (
+            (
+                _randn(g, 7, 301, dtype=dt) * 3,
+                torch.tensor([0.0, 0.6, 1.0, 1.4, 0.0, 0.9, 2.0]),
+                torch.randint(0, 2**62, (7,), generator=g),
+                torch.randint(0, 5000, (7,), generator=g),
+            ),
+            {
+                "top_k": torch.tensor([0, 5, 0, 40, 3, 0, 1]),
+                "top_p": torch.tensor([1.0, 0.9, 0.5, 1.0, 0.8, 0.95, 1.0]),
+                "min_p": torch.tensor([0.0, 0.0, 0.05, 0.1, 0.0, 0.0, 0.2]),
+            },
+        ),
+        # token ids compare exactly; float32 logits only (the op's contract)
+        dtypes=(torch.float32,),
+    ),
+    OpCase(
+        "sample", "unfiltered",
+        lambda g, dt: (
+            (
+                _randn(g, 5, 129, dtype=dt),
+                torch.tensor([1.0, 0.3, 0.0, 1.0, 5.0]),
+                torch.randint(0, 2**62, (5,), generator=g),
+                torch.randint(0, 5000, (5,), generator=g),
+            ),
+            {},
+        ),
+        dtypes=(torch.float32,),
+    ),
+]
+
+
+# --- DeepSeek-V4.1 ops ------------------------------------------------------------------------------
+
+def _v41_hc_mix_inputs(gen, dt):
+    (streams, fn, base, scale, _, hc_eps, iters), _ = _hc_pre_inputs(gen, dt)
+    return (streams, fn, base, scale, 1e-20, hc_eps, iters), {}
+
+
+def _v41_route_inputs(gen, dt):
+    experts, tokens = 16, 13
+    return (_randn(gen, tokens, 64, dtype=dt), _randn(gen, experts, 64, dtype=dt) * 0.2, _randn(gen, experts) * 0.1,
+            4, 1.5, 1.5), {}
+
+
+def _v41_quant_input(gen, dt):
+    # magnitudes over many binades so the blocks get different scales
+    x = _randn(gen, 5, 64) * torch.exp2(torch.randint(-12, 6, (5, 1), generator=gen).float())
+    return x.to(dt)
+
+
+def _v41_fp8_dequant_inputs(gen, dt):
+    values, exponents = KernelOps().fp8_block_quantize(_v41_quant_input(gen, torch.float32))
+    return (values, exponents, dt), {}
+
+
+def _v41_fp4_dequant_inputs(gen, dt, block, scale_format):
+    packed, scales = KernelOps().fp4_block_quantize(_v41_quant_input(gen, torch.float32), block, scale_format)
+    return (packed, scales, dt), {}
+
+
+OP_CASES += [
+    OpCase("hc_mix", "sinkhorn_eps_1e-20", _v41_hc_mix_inputs, rtol=_TOL_RTOL, atol=_TOL_ATOL),
+    OpCase(
+        "hc_collapse", "four_streams",
+        lambda g, dt: ((_randn(g, 7, 4, 40, dtype=dt), torch.rand(7, 4, generator=g) + 0.1), {}),
+        rtol=_TOL_RTOL, atol=_TOL_ATOL,
+    ),
+    OpCase("hc_expand", "four_streams", _hc_post_inputs, rtol=_TOL_RTOL, atol=_TOL_ATOL),
+    # ids compare exactly (random scores do not tie); weights float32 in both dtypes
+    OpCase("route_fp32", "gate_temp", _v41_route_inputs, rtol=_TOL_RTOL, atol=_TOL_ATOL),
+    OpCase("fused_moe_prescaled", "dense", lambda g, dt: _moe_inputs(g, dt, "dense", "dense"),
+           rtol=_WIDE_RTOL, atol=_WIDE_ATOL),
+    OpCase("fused_moe_prescaled", "fp4_experts_fp8_shared", lambda g, dt: _moe_inputs(g, dt, "fp4", "fp8"),
+           rtol=_WIDE_RTOL, atol=_WIDE_ATOL),
+    OpCase(
+        "gated_pool", "ratio_3",
+        lambda g, dt: ((_randn(g, 5, 3, 24), _randn(g, 5, 3, 24) * 2), {}),
+        dtypes=(torch.float32,), rtol=_TOL_RTOL, atol=_TOL_ATOL,
+    ),
+    OpCase(
+        "indexer_scores", "odd_lengths",
+        lambda g, dt: ((_randn(g, 9, 8, 32, dtype=dt), _randn(g, 13, 32, dtype=dt), _randn(g, 9, 8, dtype=dt)), {}),
+        rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
+    ),
+    OpCase(
+        "engram_gate", "two_streams",
+        lambda g, dt: ((_randn(g, 7, 2, 48, dtype=dt), _randn(g, 7, 2, 48, dtype=dt), _randn(g, 7, 48, dtype=dt),
+                        torch.rand(2, 48, generator=g) + 0.5, 1e-20), {}),
+        rtol=_TOL_RTOL, atol=_TOL_ATOL,
+    ),
+    # the KV formats are exact: codes, scales and dequantised values compare bit for bit
+    OpCase("fp8_block_quantize", "binades", lambda g, dt: ((_v41_quant_input(g, dt),), {})),
+    OpCase("fp8_block_dequantize", "binades", _v41_fp8_dequant_inputs),
+    OpCase("fp4_block_quantize", "e4m3_block16", lambda g, dt: ((_v41_quant_input(g, dt), 16, "e4m3"), {})),
+    OpCase("fp4_block_quantize", "ue8m0_block32", lambda g, dt: ((_v41_quant_input(g, dt), 32, "ue8m0"), {})),
+    OpCase("fp4_block_dequantize", "e4m3_block16", lambda g, dt: _v41_fp4_dequant_inputs(g, dt, 16, "e4m3")),
+    OpCase("fp4_block_dequantize", "ue8m0_block32", lambda g, dt: _v41_fp4_dequant_inputs(g, dt, 32, "ue8m0")),
 ]

@@ -1,0 +1,62 @@
+"""Shared-KV attention of one block: sliding window, plus compressed entries on CSA / HCA layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer_core.model_config import CSA, LayerSpec
+from deepinfer_core.models.forward_batch import ForwardBatch
+
+from .cache import LayerCache
+from .compressor import Compressor
+from .factory import ModuleFactory
+from .indexer import Indexer
+from .rope import rope_inv_freq
+
+__all__ = ["Attention"]
+
+
+class Attention(nn.Module):
+    def __init__(self, f: ModuleFactory, spec: LayerSpec) -> None:
+        super().__init__()
+        c = f.config
+        self.ops, self.eps, self.ratio = f.ops, c.rms_norm_eps, spec.compress_ratio
+        self.n_heads, self.head_dim, self.o_groups = c.num_attention_heads, c.head_dim, c.o_groups
+        self.wq_a = f.linear(c.hidden_size, c.q_lora_rank, quantizable=True)
+        self.q_norm = f.norm(c.q_lora_rank)
+        self.wq_b = f.linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, quantizable=True)
+        self.wkv = f.linear(c.hidden_size, c.head_dim, quantizable=True)
+        self.kv_norm = f.norm(c.head_dim)
+        group_width = c.num_attention_heads * c.head_dim // c.o_groups
+        self.wo_a = f.linear(group_width, c.o_groups * c.o_lora_rank, quantizable=True)
+        self.wo_b = f.linear(c.o_groups * c.o_lora_rank, c.hidden_size, quantizable=True)
+        self.attn_sink = f.param(c.num_attention_heads, dtype=torch.float32)
+        self.compressor = None
+        if spec.is_compressed:
+            self.compressor = Compressor(f, spec.compress_ratio, c.head_dim, overlap=spec.attention == CSA)
+        self.indexer = Indexer(f, spec.compress_ratio) if spec.attention == CSA else None
+        rope = c.rope_compress if spec.is_compressed else c.rope_main
+        self.register_buffer("inv_freq", rope_inv_freq(rope, c.qk_rope_head_dim).to(f.device), persistent=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        ops, pos = self.ops, batch.positions
+        q_latent = self.q_norm(self.wq_a(x))
+        q = ops.rms_norm(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), None, self.eps)
+        q = ops.rope(q, pos, self.inv_freq)
+        kv = ops.rope(self.kv_norm(self.wkv(x)), pos, self.inv_freq)
+        entries = selected = None
+        if self.compressor is not None:
+            self.compressor(x, self.inv_freq, batch, cache.compressor)
+            entries = cache.compressor.entries
+        if self.indexer is not None:
+            selected = self.indexer(x, q_latent, self.inv_freq, batch, cache.indexer)
+        out = ops.sparse_attention(
+            q, kv, cache.window, self.attn_sink, self.head_dim**-0.5, batch,
+            entries=entries, ratio=self.ratio, selected=selected,
+        )
+        ops.store_window(kv, cache.window, batch)
+        out = ops.rope(out, pos, self.inv_freq, inverse=True)
+        groups = out.view(out.shape[0], self.o_groups, -1)
+        grouped = ops.grouped_linear(groups, self.wo_a.weight, self.wo_a.scale, self.wo_a.block)
+        return self.wo_b(grouped.flatten(1))
