@@ -1,0 +1,1 @@
+"""The built-in `cpu` backend: the reference `KernelOps`, gloo collectives, host memory."""

@@ -1,0 +1,116 @@
+"""The `deepinfer` command.
+
+Each subcommand is one `_add_*` function that adds its parser and sets `run` to a handler taking
+the parsed arguments and returning the exit code; list it in `SUBCOMMANDS`. Handlers import what
+they need lazily, so `deepinfer --help` stays fast and never touches a vendor stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from deepinfer_core import __version__, envs
+from deepinfer_core.platform.errors import BackendError
+
+__all__ = ["SUBCOMMANDS", "main"]
+
+
+def _add_backends(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "backends",
+        help="list installed backends, whether each can run here and why, and their capabilities",
+    )
+    parser.set_defaults(run=_run_backends)
+
+
+def _run_backends(args: argparse.Namespace) -> int:
+    from deepinfer_core.platform.registry import BackendRegistry
+
+    registry = BackendRegistry.from_entry_points()
+    for status in registry.probe():
+        record = status.record
+        state = "available" if status.available else "unavailable"
+        print(f"{record.name}  (priority {record.priority}, {state})")
+        if not status.available:
+            print(f"    reason: {status.reason}")
+            continue
+        for key, value in status.backend.describe().items():
+            print(f"    {key}: {value}")
+        caps = status.backend.capabilities()
+        flags = ", ".join(f"{field}={getattr(caps, field)}" for field in caps.__slots__)
+        print(f"    capabilities: {flags}")
+    requested = envs.accelerator()
+    selected = registry.select(requested)
+    print(f"{envs.ACCELERATOR.name}={requested} selects: {selected.name}")
+    return 0
+
+
+def _add_check_backend(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "check-backend",
+        help="run the conformance suite: every op of a backend against the reference ops",
+    )
+    parser.add_argument("name", nargs="?", help=f"backend name (default: ${envs.ACCELERATOR.name})")
+    parser.add_argument("--seed", type=int, help="seed of the random inputs (default: fresh)")
+    parser.set_defaults(run=_run_check_backend)
+
+
+def _run_check_backend(args: argparse.Namespace) -> int:
+    from deepinfer_core.platform.conformance import run_conformance
+    from deepinfer_core.platform.registry import select_backend
+
+    report = run_conformance(select_backend(args.name), seed=args.seed)
+    print(report.summary())
+    return 0 if report.passed else 1
+
+
+def _add_make_tiny_checkpoint(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "make-tiny-checkpoint",
+        help="write a tiny random DeepSeek-V4 checkpoint with a tokenizer (tests, demos); "
+        "`deepinfer make-tiny-checkpoint --help` lists its options",
+        add_help=False,
+    )
+    parser.set_defaults(run=_run_make_tiny_checkpoint, passthrough=True)
+
+
+def _run_make_tiny_checkpoint(args: argparse.Namespace) -> int:
+    from deepinfer_core.tools import tiny_checkpoint
+
+    return tiny_checkpoint.main(args.passthrough_args)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_backends,
+    _add_check_backend,
+    _add_make_tiny_checkpoint,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"deepinfer {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    # A subcommand that sets `passthrough` hands its unparsed arguments to the tool it wraps.
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.passthrough_args = rest
+    try:
+        return args.run(args)
+    except (BackendError, envs.InvalidEnvVar) as exc:
+        print(f"deepinfer {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
