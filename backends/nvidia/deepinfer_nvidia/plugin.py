@@ -1,0 +1,17 @@
+"""Entry point of the `nvidia` backend: registers it without importing CUDA."""
+
+from __future__ import annotations
+
+from deepinfer_core.platform.hookspecs import BackendRecord, hookimpl
+
+__all__ = ["deepinfer_backend"]
+
+
+@hookimpl
+def deepinfer_backend() -> BackendRecord:
+    return BackendRecord(
+        name="nvidia",
+        factory="deepinfer_nvidia.backend:NvidiaBackend",
+        priority=100,
+        install="pip install deepinfer[nvidia]",
+    )

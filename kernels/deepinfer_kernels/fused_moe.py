@@ -1,0 +1,206 @@
+"""Routed experts as two grouped GEMMs over tokens sorted by expert (bf16, fp8-block or fp4 weights).
+
+Plan (torch, on the device, no host sync): the T*k (token, slot) pairs are sorted by expert and each
+expert's run is padded to a multiple of BLOCK_M, so every row block of the padded order belongs to one
+expert. Launch 1 computes a = silu(min(w1 x, L)) * clamp(w3 x, -L, L) for each padded row (both
+projections in one program, the clamped SwiGLU in the epilogue). Launch 2 computes w2 a, multiplies the
+routing weight and writes the pair's row of y [T*k, D]; the k rows of a token are summed afterwards in
+float32 (deterministic: no atomics). Weights are stacked per projection, w1 / w3 / w2 [E, N, K] (+ scales
+[E, ...]), so each expert can stay a separate parameter that views its slice of the stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.weight_tiles import as_kernel_weight, e8m0_to_float, load_weight_tile, weight_format
+
+__all__ = ["StackedExperts", "moe_routed"]
+
+
+@dataclass(frozen=True, slots=True)
+class StackedExperts:
+    """The held experts' weights stacked on a leading expert dim; `local_ids` [E] maps a global expert
+    id to its index in the stack, or to num_held for an expert this rank does not hold."""
+
+    w1: torch.Tensor
+    w3: torch.Tensor
+    w2: torch.Tensor
+    w1_scale: torch.Tensor | None
+    w3_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
+    block: tuple[int, int] | None
+    local_ids: torch.Tensor
+
+    @property
+    def num_held(self) -> int:
+        return int(self.w1.shape[0])
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, act_ptr, row_entry_ptr, block_expert_ptr,
+    N, K, TOP_K, NUM_HELD, limit,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
+    FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= NUM_HELD:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    entry = tl.load(row_entry_ptr + offs_m)
+    token = tl.where(entry >= 0, entry // TOP_K, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    compute = x_ptr.dtype.element_ty
+    w1 = w1_ptr + expert.to(tl.int64) * stride_we
+    w3 = w3_ptr + expert.to(tl.int64) * stride_we
+    s1 = s1_ptr + expert.to(tl.int64) * stride_se
+    s3 = s3_ptr + expert.to(tl.int64) * stride_se
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :],
+                    mask=(entry[:, None] >= 0) & (offs_k[None, :] < K), other=0.0)
+        g_tile = load_weight_tile(w1, s1, offs_n, offs_k, N, K, stride_wn, stride_sn, FORMAT, compute)
+        u_tile = load_weight_tile(w3, s3, offs_n, offs_k, N, K, stride_wn, stride_sn, FORMAT, compute)
+        if IEEE:
+            g_part = tl.dot(x, tl.trans(g_tile), input_precision="ieee")
+            u_part = tl.dot(x, tl.trans(u_tile), input_precision="ieee")
+        else:
+            g_part = tl.dot(x, tl.trans(g_tile))
+            u_part = tl.dot(x, tl.trans(u_tile))
+        if FORMAT == 1:
+            scale_at = (pid_n * BLOCK_N // SCALE_BN) * stride_sn + k0 // SCALE_BK
+            g_part = g_part * e8m0_to_float(tl.load(s1 + scale_at))
+            u_part = u_part * e8m0_to_float(tl.load(s3 + scale_at))
+        gate += g_part
+        up += u_part
+    # The reference rounds each projection to the compute dtype before the activation.
+    gate = tl.minimum(gate.to(compute).to(tl.float32), limit)
+    up = tl.minimum(tl.maximum(up.to(compute).to(tl.float32), -limit), limit)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :],
+             act.to(act_ptr.dtype.element_ty), mask=offs_n[None, :] < N)
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, w2_ptr, s2_ptr, y_ptr, route_w_ptr, row_entry_ptr, block_expert_ptr,
+    N, K, NUM_HELD,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+    FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= NUM_HELD:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    entry = tl.load(row_entry_ptr + offs_m)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    compute = act_ptr.dtype.element_ty
+    w2 = w2_ptr + expert.to(tl.int64) * stride_we
+    s2 = s2_ptr + expert.to(tl.int64) * stride_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :],
+                    mask=offs_k[None, :] < K, other=0.0)
+        w = load_weight_tile(w2, s2, offs_n, offs_k, N, K, stride_wn, stride_sn, FORMAT, compute)
+        if IEEE:
+            part = tl.dot(a, tl.trans(w), input_precision="ieee")
+        else:
+            part = tl.dot(a, tl.trans(w))
+        if FORMAT == 1:
+            part = part * e8m0_to_float(tl.load(s2 + (pid_n * BLOCK_N // SCALE_BN) * stride_sn + k0 // SCALE_BK))
+        acc += part
+    valid = entry >= 0
+    route_w = tl.load(route_w_ptr + entry, mask=valid, other=0.0)
+    y = acc.to(compute).to(tl.float32) * route_w[:, None]
+    tl.store(y_ptr + tl.where(valid, entry, 0).to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+def _plan(ids: torch.Tensor, local_ids: torch.Tensor, num_held: int, block_m: int):
+    """(row_entry [R] int32: the (token*k + slot) pair of each padded row or -1,
+    block_expert [R / block_m] int32: the stack index of each row block, num_held past the end)."""
+    pairs = ids.numel()
+    local = local_ids[ids.reshape(-1)]
+    # scatter_add, not bincount: bincount reads the max id back to the host
+    counts = torch.zeros(num_held + 1, dtype=torch.long, device=ids.device)
+    counts = counts.scatter_add_(0, local, torch.ones_like(local))[:num_held]
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_ends = torch.cumsum(padded, 0)
+    ends = torch.cumsum(counts, 0)
+    order = torch.argsort(local, stable=True)
+    sorted_local = local[order]
+    held = sorted_local < num_held
+    expert = sorted_local.clamp(max=num_held - 1)
+    dest = pad_ends[expert] - padded[expert] + torch.arange(pairs, device=ids.device) - (ends[expert] - counts[expert])
+    rows = pairs + min(num_held, pairs) * (block_m - 1)
+    rows = triton.cdiv(rows, block_m) * block_m
+    row_entry = torch.full((rows + 1,), -1, dtype=torch.int32, device=ids.device)
+    # Pairs of experts not held go to the spare last row, which no block reads.
+    row_entry[torch.where(held, dest, rows)] = order.to(torch.int32)
+    starts = torch.arange(0, rows, block_m, device=ids.device)
+    block_expert = torch.searchsorted(pad_ends, starts, right=True).to(torch.int32)
+    return row_entry[:rows], block_expert.clamp(max=num_held)
+
+
+def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    if scale is None:
+        return weight, 0, 0
+    s = scale.view(torch.uint8)
+    return s, s.stride(0), s.stride(1)
+
+
+def moe_routed(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: StackedExperts, swiglu_limit: float
+) -> torch.Tensor:
+    """sum_k weights[t, k] * mlp_{ids[t, k]}(x[t]) in float32 [T, D]; experts not held add nothing."""
+    tokens, top_k = ids.shape
+    hidden, inter = x.shape[1], experts.w1.shape[1]
+    fmt = weight_format(experts.w1)
+    block_m = 16 if tokens * top_k <= 256 else 64
+    block_n, block_k = (64, 128) if fmt == 1 else (64, 64)
+    if fmt == 1:
+        block_n, block_k = min(block_n, experts.block[0]), min(block_k, experts.block[1])
+    scale_bn, scale_bk = experts.block if fmt == 1 else (1, 1)
+    row_entry, block_expert = _plan(ids, experts.local_ids, experts.num_held, block_m)
+    x = x.contiguous()
+    ieee = x.dtype == torch.float32
+    w1, _ = as_kernel_weight(experts.w1, None)
+    w3, _ = as_kernel_weight(experts.w3, None)
+    w2, _ = as_kernel_weight(experts.w2, None)
+    s1, se, sn = _scale_args(experts.w1_scale, w1)
+    s3, _, _ = _scale_args(experts.w3_scale, w3)
+    act = torch.empty((row_entry.shape[0], inter), dtype=x.dtype, device=x.device)
+    warps = 4
+    _gate_up_kernel[(block_expert.shape[0], triton.cdiv(inter, block_n))](
+        x, w1, w3, s1, s3, act, row_entry, block_expert,
+        inter, hidden, top_k, experts.num_held, swiglu_limit,
+        x.stride(0), w1.stride(0), w1.stride(1), se, sn, act.stride(0),
+        FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=warps, num_stages=3,
+    )
+    held_all = bool(experts.num_held == experts.local_ids.shape[0])
+    alloc = torch.empty if held_all else torch.zeros
+    y = alloc((tokens * top_k, hidden), dtype=x.dtype, device=x.device)
+    s2, se2, sn2 = _scale_args(experts.w2_scale, w2)
+    _down_kernel[(block_expert.shape[0], triton.cdiv(hidden, block_n))](
+        act, w2, s2, y, weights.reshape(-1).float().contiguous(), row_entry, block_expert,
+        hidden, inter, experts.num_held,
+        act.stride(0), w2.stride(0), w2.stride(1), se2, sn2, y.stride(0),
+        FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=warps, num_stages=3,
+    )
+    return y.view(tokens, top_k, hidden).float().sum(dim=1)

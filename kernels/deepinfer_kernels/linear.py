@@ -1,0 +1,96 @@
+"""y = x @ W.T with W dense (bf16/fp32), fp8 e4m3 block-scaled or packed fp4 e2m1 (W8A16 / W4A16).
+
+The weight tile is dequantised in registers and meets x on the tensor cores in x.dtype with a float32
+accumulator; fp8 block scales (powers of two) multiply each tile's partial product, which equals
+scaling the weight exactly. Float32 inputs use IEEE float32 dots (the contract asks 1e-5, tf32 would
+give ~3e-4).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_kernels.weight_tiles import as_kernel_weight, e8m0_to_float, load_weight_tile, weight_format
+
+__all__ = ["linear", "linear_supported", "tile_config"]
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    compute = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+            mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0,
+        )
+        w = load_weight_tile(w_ptr, s_ptr, offs_n, offs_k, N, K, stride_wn, stride_sn, FORMAT, compute)
+        if IEEE:
+            part = tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            part = tl.dot(x, tl.trans(w))
+        if FORMAT == 1:
+            part = part * e8m0_to_float(tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_BN) * stride_sn + k0 // SCALE_BK))
+        acc += part
+    tl.store(
+        y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+        acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+    )
+
+
+def tile_config(m: int, fmt: int, block: tuple[int, int] | None) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for m rows; fp8 tiles stay inside one scale block."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    block_n = 64 if m <= 64 else 128
+    block_k = 128 if fmt == 1 else 64
+    if fmt == 1 and block is not None:
+        block_n, block_k = min(block_n, block[0]), min(block_k, block[1])
+    warps = 4 if block_m <= 64 else 8
+    return block_m, block_n, block_k, warps, 3
+
+
+def linear_supported(weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """fp8 tiles must divide the scale block (powers of two >= 16); fp4 needs whole 32-column scale groups."""
+    fmt = weight_format(weight)
+    if fmt == 1:
+        return block is not None and all(b >= 16 and b & (b - 1) == 0 for b in block)
+    if fmt == 2:
+        return (weight.shape[1] * 2) % 32 == 0
+    return True
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None
+) -> torch.Tensor:
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    n, fmt = weight.shape[0], weight_format(weight)
+    w, s = as_kernel_weight(weight.contiguous() if weight.stride(-1) != 1 else weight, scale)
+    if fmt == 0 and w.dtype != x.dtype:
+        w = w.to(x.dtype)
+    out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k, warps, stages = tile_config(rows.shape[0], fmt, block)
+    scale_bn, scale_bk = block if fmt == 1 else (1, 1)
+    grid = (triton.cdiv(rows.shape[0], block_m), triton.cdiv(n, block_n))
+    _linear_kernel[grid](
+        rows, w, s, out, rows.shape[0], n, k,
+        rows.stride(0), w.stride(0), s.stride(0) if scale is not None else 0, out.stride(0),
+        FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
+        num_warps=warps, num_stages=stages,
+    )
+    return out.view(*x.shape[:-1], n)

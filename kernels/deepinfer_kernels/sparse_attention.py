@@ -1,0 +1,149 @@
+"""Shared-KV sparse attention (prefill and decode) over the window ring, this step's kv and the paged
+compressed entries, with a per-head sink and a float32 online softmax.
+
+One program per (query token, block of BLOCK_H heads): every key block is loaded once and meets all
+BLOCK_H heads on the tensor cores (K = V, so one load serves both products). Keys come in three runs:
+the ring positions still in the window that were cached before the step, this step's rows up to the
+query, then the compressed entries (all visible ones, or the indexer's selection), read through the
+sequence's block table. The sink starts the running max and sum (its probability is dropped).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_core.models.forward_batch import ForwardBatch
+
+__all__ = ["sparse_attention"]
+
+
+@triton.jit
+def _attend(q, k, valid, m_i, l_i, acc, scale, ROUND: tl.constexpr, IEEE: tl.constexpr):
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if ROUND:
+        # The reference forms logits in the query dtype: the product, then the scaled product, are rounded.
+        s = (s.to(q.dtype).to(tl.float32) * scale).to(q.dtype).to(tl.float32)
+    else:
+        s = s * scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        pv = tl.dot(p.to(k.dtype), k, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(k.dtype), k)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _sparse_attention_kernel(
+    q_ptr, kv_ptr, window_ptr, sinks_ptr, entries_ptr, selected_ptr, out_ptr,
+    token_seq_ptr, query_start_ptr, context_lens_ptr, slot_ids_ptr, block_tables_ptr, positions_ptr,
+    H, D, RING, ratio, per_block, top_k, scale,
+    stride_qt, stride_qh, stride_kv, stride_ws, stride_wp, stride_eb, stride_eo, stride_sel, stride_bt,
+    stride_ot, stride_oh,
+    HAS_ENTRIES: tl.constexpr, HAS_SELECTED: tl.constexpr, ROUND: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    seq = tl.load(token_seq_ptr + t)
+    start = tl.load(query_start_ptr + seq)
+    ctx = tl.load(context_lens_ptr + seq)
+    slot = tl.load(slot_ids_ptr + seq).to(tl.int64)
+    pos = tl.load(positions_ptr + t).to(tl.int32)
+    kv_dtype = kv_ptr.dtype.element_ty
+    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=(offs_h[:, None] < H) & d_mask[None, :], other=0.0)
+    m_i = tl.load(sinks_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
+    l_i = tl.full((BLOCK_H,), 1.0, dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    lo = tl.maximum(pos - RING + 1, 0)
+    for p0 in range(lo, ctx, BLOCK_N):
+        p = p0 + tl.arange(0, BLOCK_N)
+        valid = p < ctx
+        k = tl.load(window_ptr + slot * stride_ws + (p % RING)[:, None] * stride_wp + offs_d[None, :],
+                    mask=valid[:, None] & d_mask[None, :], other=0.0).to(kv_dtype)
+        m_i, l_i, acc = _attend(q, k, valid, m_i, l_i, acc, scale, ROUND, IEEE)
+    for p0 in range(tl.maximum(lo, ctx), pos + 1, BLOCK_N):
+        p = p0 + tl.arange(0, BLOCK_N)
+        valid = p <= pos
+        rows = (start + p - ctx).to(tl.int64)
+        k = tl.load(kv_ptr + rows[:, None] * stride_kv + offs_d[None, :],
+                    mask=valid[:, None] & d_mask[None, :], other=0.0)
+        m_i, l_i, acc = _attend(q, k, valid, m_i, l_i, acc, scale, ROUND, IEEE)
+    if HAS_ENTRIES:
+        visible = (pos + 1) // ratio
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        if HAS_SELECTED:
+            for j0 in range(0, top_k, BLOCK_N):
+                j = j0 + tl.arange(0, BLOCK_N)
+                w = tl.load(selected_ptr + t.to(tl.int64) * stride_sel + j, mask=j < top_k, other=-1).to(tl.int32)
+                valid = (w >= 0) & (w < visible)
+                block = tl.load(table + w // per_block, mask=valid, other=0).to(tl.int64)
+                k = tl.load(entries_ptr + block[:, None] * stride_eb + (w % per_block)[:, None] * stride_eo
+                            + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0).to(kv_dtype)
+                m_i, l_i, acc = _attend(q, k, valid, m_i, l_i, acc, scale, ROUND, IEEE)
+        else:
+            for w0 in range(0, visible, BLOCK_N):
+                w = w0 + tl.arange(0, BLOCK_N)
+                valid = w < visible
+                block = tl.load(table + w // per_block, mask=valid, other=0).to(tl.int64)
+                k = tl.load(entries_ptr + block[:, None] * stride_eb + (w % per_block)[:, None] * stride_eo
+                            + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0).to(kv_dtype)
+                m_i, l_i, acc = _attend(q, k, valid, m_i, l_i, acc, scale, ROUND, IEEE)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(offs_h[:, None] < H) & d_mask[None, :])
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    window: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    batch: ForwardBatch,
+    entries: torch.Tensor | None = None,
+    ratio: int = 0,
+    selected: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`KernelOps.sparse_attention` (same contract); `selected` rows must not repeat an entry."""
+    tokens, heads, dim = q.shape
+    out = torch.empty_like(q)
+    if tokens == 0:
+        return out
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    query_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
+    token_seq = torch.repeat_interleave(
+        torch.arange(batch.num_seqs, device=q.device, dtype=torch.int32), query_lens.to(torch.long), output_size=tokens
+    )
+    has_entries = entries is not None
+    entries_arg = entries if has_entries else kv
+    selected_arg = selected if selected is not None else token_seq
+    block_h = 16
+    block_d = triton.next_power_of_2(dim)
+    block_n = 32 if block_d <= 256 else 16 if q.dtype == torch.float32 else 32
+    grid = (tokens, triton.cdiv(heads, block_h))
+    _sparse_attention_kernel[grid](
+        q, kv, window, sinks, entries_arg, selected_arg, out,
+        token_seq, batch.query_start_loc, batch.context_lens, batch.slot_ids, batch.block_tables, batch.positions,
+        heads, dim, window.shape[1], max(ratio, 1), entries.shape[1] if has_entries else 1,
+        selected.shape[1] if selected is not None else 0, scale,
+        q.stride(0), q.stride(1), kv.stride(0), window.stride(0), window.stride(1),
+        entries_arg.stride(0), entries_arg.stride(1) if has_entries else 0,
+        selected_arg.stride(0), batch.block_tables.stride(0), out.stride(0), out.stride(1),
+        HAS_ENTRIES=has_entries, HAS_SELECTED=selected is not None, ROUND=q.dtype != torch.float32,
+        IEEE=q.dtype == torch.float32, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4,
+        num_stages=2,
+    )
+    return out

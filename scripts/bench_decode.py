@@ -1,0 +1,202 @@
+"""Decode benchmark (issue 5): one decode step per sequence of a batch, swept over batch size and
+context length on the V4-Flash 4-layer slice, DeepInfer (nvidia backend ops) beside transformers.
+
+DeepInfer's cache holds random state for the context (as after a prefill: validity follows positions),
+so long contexts cost no prefill; transformers is prefilled with --hf-context tokens per sequence and then
+timed one step at a time. Printed per row: step ms, steps/s, tokens/s per GPU and per request, bytes the
+step must read (weights touched + KV) and the bandwidth floor (bytes / measured copy bandwidth), step
+time / floor, model FLOPs per token, transformers' step time and the ratio.
+Written to $OUT (or --out): decode.json, decode.txt, decode.png.
+
+GPU:  python3 scripts/bench_decode.py
+CPU:  python3 scripts/bench_decode.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "kernels"), str(REPO / "backends" / "nvidia"), str(REPO / "scripts")]
+
+from bench_model import (  # noqa: E402
+    attention_flops, build_deepinfer, build_transformers, expected_experts_touched, flash_slice_raw,
+    kv_bytes_per_sequence, random_cache, setup, step_batch, weight_bytes, weight_flops_per_token,
+)
+from bench_prefill import _free, _ints  # noqa: E402
+from kernel_bench_common import measure_ceilings, time_ms  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--batches", type=_ints, default=None, help="default 1,16,64,256")
+    parser.add_argument("--contexts", type=_ints, default=None, help="default 256,4096")
+    parser.add_argument("--weights", default="bf16,fp4")
+    parser.add_argument("--hf-context", type=int, default=None, help="transformers' prefilled context (default 256)")
+    parser.add_argument("--hf-max-batch", type=int, default=64)
+    parser.add_argument("--hf-steps", type=int, default=8, help="decode steps timed on transformers")
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = parser.parse_args()
+    batches = args.batches or ([1, 3] if args.tiny else [1, 16, 64, 256])
+    contexts = args.contexts or ([20] if args.tiny else [256, 4096])
+    hf_context = args.hf_context or (20 if args.tiny else 256)
+    device, ops = setup(args.tiny)
+    ceilings = measure_ceilings(device, size=256 if args.tiny else 8192, copy_bytes=(1 << 22) if args.tiny else (2 << 30))
+    print("measured ceilings:", ceilings.describe(), flush=True)
+    rows = []
+    for weights in args.weights.split(","):
+        try:
+            rows += _deepinfer_rows(args.tiny, weights, batches, contexts, device, ops, ceilings)
+        except Exception as err:
+            traceback.print_exc()
+            rows.append({"impl": "deepinfer", "weights": weights, "error": f"{type(err).__name__}: {err}"})
+        _free(device)
+    if not args.no_hf:
+        try:
+            rows += _hf_rows(args.tiny, [b for b in batches if b <= args.hf_max_batch], hf_context, args.hf_steps, device)
+        except Exception as err:
+            traceback.print_exc()
+            rows.append({"impl": "transformers", "weights": "bf16", "error": f"{type(err).__name__}: {err}"})
+    _report(rows, ceilings, Path(args.out))
+
+
+def _deepinfer_rows(tiny, weights, batches, contexts, device, ops, ceilings):
+    ops = type(ops)()  # NOTE: fresh ops per model: their expert-stack cache keeps the experts alive
+    bench = build_deepinfer(flash_slice_raw(tiny, weights), ops, device)
+    model, config = bench.model, bench.config
+    block_size = 2 * max(config.compress_ratios)
+    per_token = weight_flops_per_token(model) + 2 * config.hidden_size * config.vocab_size
+    rows = []
+    for context in contexts:
+        for size in batches:
+            batch = step_batch([1] * size, [context] * size, block_size, device)
+            row = {"impl": "deepinfer", "weights": weights, "batch": size, "context": context}
+            try:
+                cache = random_cache(config, batch, block_size, device)
+
+                def step():
+                    return model.compute_logits(model(batch, cache).hidden[batch.logits_indices])
+
+                row["finite"] = bool(torch.isfinite(step()).all())
+                ms = time_ms(step, device, rep_ms=200)
+                nbytes = weight_bytes(model, expected_experts_touched(config, size)) + size * kv_bytes_per_sequence(config, context)
+                floor_ms = nbytes / (ceilings.copy_gbps * 1e9) * 1e3
+                flops = per_token * size + attention_flops(config, batch.positions)
+                row.update(ms=ms, steps_per_s=1e3 / ms, tokens_per_s=size * 1e3 / ms, tokens_per_s_per_request=1e3 / ms,
+                           gbytes=nbytes / 1e9, floor_ms=floor_ms, over_floor=ms / floor_ms,
+                           gflop_per_token=flops / size / 1e9)
+            except Exception as err:
+                traceback.print_exc()
+                row["error"] = f"{type(err).__name__}: {err}"
+            rows.append(row)
+            print(row, flush=True)
+            _free(device)
+    return rows
+
+
+def _hf_rows(tiny, batches, context, steps, device):
+    model = build_transformers(flash_slice_raw(tiny, "bf16"), device)
+    rows = []
+    for size in batches:
+        row = {"impl": "transformers", "weights": "bf16", "batch": size, "context": context}
+        try:
+            with torch.no_grad():
+                ids = torch.randint(0, 97, (size, context), device=device)
+                out = model(ids, use_cache=True, logits_to_keep=1)
+                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                times = []
+                for _ in range(steps):
+                    times.append(_timed(lambda: model(token, past_key_values=cache, use_cache=True), device))
+                    token = (token + 1) % 97
+            ms = statistics.median(times)
+            row.update(ms=ms, steps_per_s=1e3 / ms, tokens_per_s=size * 1e3 / ms, tokens_per_s_per_request=1e3 / ms)
+        except Exception as err:
+            traceback.print_exc()
+            row["error"] = f"{type(err).__name__}: {err}"
+        rows.append(row)
+        print(row, flush=True)
+        _free(device)
+    _free(device)
+    return rows
+
+
+def _timed(fn, device) -> float:
+    if device.type != "cuda":
+        import time
+
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end)
+
+
+def _report(rows, ceilings, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    hf = {r["batch"]: r["ms"] for r in rows if r["impl"] == "transformers" and "ms" in r}
+
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+    lines = [f"ceilings (measured): {ceilings.describe()}",
+             f"{'impl':<13}{'weights':<8}{'batch':>6}{'ctx':>6}{'step_ms':>9}{'steps/s':>9}{'tok/s':>9}{'tok/s/req':>10}"
+             f"{'GB/step':>8}{'floor_ms':>9}{'x_floor':>8}{'GFLOP/tok':>10}{'hf_ms':>8}{'x_hf':>6}  error"]
+    for r in rows:
+        ms, ref = r.get("ms"), hf.get(r.get("batch")) if r["impl"] == "deepinfer" else None
+        lines.append(
+            f"{r['impl']:<13}{r['weights']:<8}{f(r.get('batch'), 'd'):>6}{f(r.get('context'), 'd'):>6}{f(ms, '.2f'):>9}"
+            f"{f(r.get('steps_per_s'), '.1f'):>9}{f(r.get('tokens_per_s'), '.0f'):>9}{f(r.get('tokens_per_s_per_request'), '.1f'):>10}"
+            f"{f(r.get('gbytes'), '.2f'):>8}{f(r.get('floor_ms'), '.2f'):>9}{f(r.get('over_floor'), '.2f'):>8}"
+            f"{f(r.get('gflop_per_token'), '.2f'):>10}{f(ref, '.2f'):>8}{f(ref / ms if ref and ms else None, '.2f'):>6}"
+            f"  {r.get('error', '')[:80]}"
+        )
+    lines.append("x_hf compares DeepInfer at its context with transformers at --hf-context (same batch).")
+    table = "\n".join(lines)
+    (out / "decode.txt").write_text(table)
+    (out / "decode.json").write_text(json.dumps({"ceilings": ceilings.describe(), "rows": rows}, indent=1))
+    _plot(rows, out / "decode.png")
+    print(table)
+
+
+def _plot(rows, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in sorted({(r["impl"], r["weights"], r.get("context", 0)) for r in rows}):
+        pts = sorted((r["batch"], r["ms"]) for r in rows if (r["impl"], r["weights"], r.get("context", 0)) == key and "ms" in r)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]} ctx {key[2]}")
+    floor = sorted((r["batch"], r["floor_ms"]) for r in rows if "floor_ms" in r and r["weights"] == "bf16")
+    if floor:
+        ax.plot([p[0] for p in floor], [p[1] for p in floor], "k--", label="bf16 bandwidth floor")
+    ax.set_xlabel("batch (sequences, one token each)")
+    ax.set_ylabel("decode step latency (ms, 4-layer slice)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

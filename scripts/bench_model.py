@@ -1,0 +1,244 @@
+"""The benchmark model of issue 5: a V4-Flash-width slice (MODEL_SPEC §1.2) of 4 layers (sliding with
+hash routing, CSA, HCA, CSA), random weights made on the device, as DeepInfer and as transformers.
+
+Also: step batches and caches for DeepInfer, and the FLOP / byte counts the benchmarks divide by.
+DeepInfer's routed experts are held stacked ([E, N, K] per projection) with each expert's parameters
+viewing its slice, the layout proposed for the model (see the nvidia ops' `_stack`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepinfer_core.model_config import CSA, DeepseekV4Config, load_model_config
+from deepinfer_core.models.deepseek_v4 import DeepseekV4Cache, DeepseekV4ForCausalLM
+from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_core.platform.kernel_ops import KernelOps
+
+__all__ = [
+    "BenchModel", "attention_flops", "build_deepinfer", "build_transformers", "expected_experts_touched",
+    "flash_slice_raw", "kv_bytes_per_sequence", "random_cache", "setup", "step_batch", "use_ops",
+    "weight_bytes", "weight_flops_per_token",
+]
+
+FLASH_WIDTHS: dict[str, Any] = {
+    "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048, "num_attention_heads": 64,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
+    "n_routed_experts": 256, "num_experts_per_tok": 6, "sliding_window": 128, "index_n_heads": 64,
+    "index_head_dim": 128, "index_topk": 512, "compress_rate_hca": 128,
+}
+TINY_WIDTHS: dict[str, Any] = {
+    "vocab_size": 512, "hidden_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 4, "head_dim": 32,
+    "qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "sliding_window": 8, "index_n_heads": 8, "index_head_dim": 16, "index_topk": 3,
+    "compress_rate_hca": 8,
+}
+
+
+def flash_slice_raw(tiny: bool, weights: str) -> dict[str, Any]:
+    """config.json-style dict; weights: "bf16", or "fp8" (fp8 projections, fp8 experts), or "fp4"
+    (fp8 projections, fp4 experts)."""
+    from deepinfer_core.tools.tiny_checkpoint import TINY_CONFIG
+
+    raw = {**TINY_CONFIG, **(TINY_WIDTHS if tiny else FLASH_WIDTHS)}
+    raw.update(num_hidden_layers=4, compress_ratios=[0, 4, 128, 4], num_hash_layers=1, num_nextn_predict_layers=0)
+    if weights in ("fp8", "fp4"):
+        raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    if weights == "fp4":
+        raw["expert_dtype"] = "fp4"
+    return raw
+
+
+@dataclass
+class BenchModel:
+    config: DeepseekV4Config
+    model: DeepseekV4ForCausalLM
+
+
+def setup(tiny: bool) -> tuple[torch.device, KernelOps]:
+    """The device and the nvidia backend's ops (on the CPU, --tiny runs them through Triton's interpreter)."""
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        if not tiny:
+            raise SystemExit("no GPU: run with --tiny (toy widths through the Triton interpreter)")
+        sys.path.insert(0, str(repo / "tests"))
+        import triton_interpreter  # noqa: F401  (TRITON_INTERPRET=1 before the kernels import)
+    from deepinfer_nvidia.ops import TritonOps
+
+    return device, TritonOps()
+
+
+def use_ops(model: torch.nn.Module, ops: KernelOps) -> None:
+    """Point every module of `model` at `ops` (to run the same weights through the reference ops)."""
+    for module in model.modules():
+        if hasattr(module, "ops"):
+            module.ops = ops
+
+
+def build_deepinfer(raw: dict[str, Any], ops: KernelOps, device: torch.device, seed: int = 0) -> BenchModel:
+    config = load_model_config(raw)
+    model = DeepseekV4ForCausalLM(config, ops, torch.bfloat16, device)
+    for layer in model.layers:
+        _stack_experts(layer.ffn)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, tensor in model.state_dict().items():
+        _randomise(name, tensor, config, gen)
+    return BenchModel(config, model)
+
+
+def _stack_experts(moe: torch.nn.Module) -> None:
+    """Replace each expert's parameters by views of one [E, ...] tensor per projection (same names)."""
+    experts = list(moe.experts.values()) if isinstance(moe.experts, torch.nn.ModuleDict) else list(moe.experts)
+    for proj in ("w1", "w3", "w2"):
+        for attr in ("weight", "scale"):
+            params = [getattr(getattr(e, proj), attr) for e in experts]
+            if params[0] is None:
+                continue
+            stack = torch.empty((len(params), *params[0].shape), dtype=params[0].dtype, device=params[0].device)
+            for e, expert in enumerate(experts):
+                setattr(getattr(expert, proj), attr, torch.nn.Parameter(stack[e], requires_grad=False))
+            del params
+
+
+def _randomise(name: str, t: torch.Tensor, config: DeepseekV4Config, gen: torch.Generator) -> None:
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "tid2eid":
+        t.copy_(torch.rand(t.shape[0], config.n_routed_experts, device=t.device, generator=gen)
+                .topk(t.shape[1], dim=-1).indices)
+    elif t.dtype == torch.float8_e4m3fn:
+        t.copy_(torch.randn(t.shape, device=t.device, generator=gen).to(torch.float8_e4m3fn))
+    elif t.dtype == torch.float8_e8m0fnu:
+        # e4m3 values ~N(0, 1) or e2m1 codes ~U(-6, 6): a scale near 1/sqrt(fan-in) keeps activations O(1)
+        t.view(torch.uint8).fill_(127 - 7)
+    elif t.dtype == torch.int8:
+        t.copy_(torch.randint(-128, 128, t.shape, device=t.device, generator=gen, dtype=torch.int16).to(torch.int8))
+    elif "norm" in name and leaf == "weight":
+        t.copy_(1.0 + 0.1 * torch.randn(t.shape, device=t.device, generator=gen))
+    elif t.dim() >= 2:
+        t.copy_(torch.randn(t.shape, device=t.device, generator=gen) / math.sqrt(t.shape[-1]))
+    elif leaf == "scale" or leaf.endswith("_scale"):
+        t.copy_(torch.rand(t.shape, device=t.device, generator=gen) + 0.5)
+    else:
+        t.copy_(0.5 * torch.randn(t.shape, device=t.device, generator=gen))
+
+
+def build_transformers(raw: dict[str, Any], device: torch.device) -> torch.nn.Module:
+    """transformers' DeepseekV4ForCausalLM on the same config, bf16, initialised on the device."""
+    from transformers import DeepseekV4Config
+    from transformers import DeepseekV4ForCausalLM as HFModel
+
+    fields = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "quantization_config", "expert_dtype")}
+    hf_config = DeepseekV4Config(**fields)
+    with torch.device(device):
+        model = HFModel._from_config(hf_config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def step_batch(query_lens: list[int], context_lens: list[int], block_size: int, device: torch.device) -> ForwardBatch:
+    """Sequences i on slot i with consecutive blocks, enough for context + query tokens."""
+    per_seq = [(c + q) // block_size + 1 for q, c in zip(query_lens, context_lens)]
+    width = max(per_seq)
+    tables, first = [], 0
+    for n in per_seq:
+        tables.append(list(range(first, first + n)) + [-1] * (width - n))
+        first += n
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(starts[-1])
+    return ForwardBatch(
+        input_ids=torch.randint(0, 97, (total,), device=device),
+        positions=torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens)]).to(device),
+        query_start_loc=starts.to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        slot_ids=torch.arange(len(query_lens), dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        logits_indices=(starts[1:] - 1).long().to(device),
+        query_lens_cpu=list(query_lens), context_lens_cpu=list(context_lens),
+        slot_ids_cpu=list(range(len(query_lens))), block_tables_cpu=tables,
+    )
+
+
+def random_cache(config: DeepseekV4Config, batch: ForwardBatch, block_size: int, device: torch.device) -> DeepseekV4Cache:
+    """A cache holding random state for every position < context_len (as after a prefill)."""
+    blocks = sum(sum(1 for b in table if b >= 0) for table in batch.block_tables_cpu)
+    gen = torch.Generator(device=device).manual_seed(99)
+    return DeepseekV4Cache(
+        config, num_blocks=blocks, block_size=block_size, num_slots=batch.num_seqs, dtype=torch.bfloat16,
+        allocate=lambda shape, dt: torch.randn(shape, device=device, generator=gen).to(dt),
+    )
+
+
+def weight_flops_per_token(model: DeepseekV4ForCausalLM) -> float:
+    """2 x the logical weight elements one token multiplies (routed experts at k of E), without the LM
+    head (the benchmarks add it for the tokens whose logits are computed) and the embedding lookup."""
+    c = model.config
+    flops = 0.0
+    for name, p in model.named_parameters():
+        if p.dim() != 2 or name.startswith(("embed.", "head.", "mtp.")) or name.endswith(("scale", "ape")):
+            continue
+        elements = p.numel() * (2 if p.dtype == torch.int8 else 1)
+        if ".experts." in name:
+            elements *= c.num_experts_per_tok / c.n_routed_experts
+        flops += 2 * elements
+    return flops
+
+
+def attention_flops(config: DeepseekV4Config, positions: torch.Tensor) -> float:
+    """Summed over tokens at `positions`: 4 * heads * head_dim per key attended (window, CSA top-k of the
+    visible entries, all visible HCA entries) plus the CSA indexer's scores over every visible entry."""
+    c = config
+    pos = positions.double()
+    total = torch.zeros_like(pos)
+    for spec in c.layers:
+        keys = torch.clamp(pos + 1, max=c.sliding_window)
+        if spec.is_compressed:
+            visible = torch.floor((pos + 1) / spec.compress_ratio)
+            if spec.attention == CSA:
+                keys = keys + torch.clamp(visible, max=c.index_topk)
+                total += 2 * c.index_n_heads * c.index_head_dim * visible
+            else:
+                keys = keys + visible
+        total += 4 * c.num_attention_heads * c.head_dim * keys
+    return float(total.sum())
+
+
+def kv_bytes_per_sequence(config: DeepseekV4Config, context: int) -> float:
+    """Cache bytes one decode token reads (bf16): its window, the entries attention reads (CSA: the
+    top-k; HCA: all), and every CSA index key the indexer scores."""
+    c = config
+    total = 0.0
+    for spec in c.layers:
+        total += min(context, c.sliding_window) * c.head_dim * 2
+        if spec.is_compressed:
+            visible = (context + 1) // spec.compress_ratio
+            if spec.attention == CSA:
+                total += min(visible, c.index_topk) * c.head_dim * 2 + visible * c.index_head_dim * 2
+            else:
+                total += visible * c.head_dim * 2
+    return total
+
+
+def weight_bytes(model: DeepseekV4ForCausalLM, experts_touched: float) -> float:
+    """Bytes of weights a step reads: everything but the embedding table, routed experts counted at
+    `experts_touched` per layer (of n_routed_experts)."""
+    c = model.config
+    total = 0.0
+    for name, p in model.named_parameters():
+        if name.startswith(("embed.", "mtp.")):
+            continue
+        size = p.numel() * p.element_size()
+        total += size * (experts_touched / c.n_routed_experts if ".experts." in name else 1.0)
+    return total
+
+
+def expected_experts_touched(config: DeepseekV4Config, tokens: int) -> float:
+    """E * (1 - (1 - k/E)^T): distinct experts hit by T tokens routed uniformly (random weights)."""
+    e, k = config.n_routed_experts, config.num_experts_per_tok
+    return e * (1.0 - (1.0 - k / e) ** tokens)

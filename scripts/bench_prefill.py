@@ -1,0 +1,192 @@
+"""Prefill benchmark (issue 5): tokens per step against step latency on the V4-Flash 4-layer slice,
+DeepInfer (nvidia backend ops) beside transformers' DeepseekV4ForCausalLM, same config, same run.
+
+Each step is uncached prompts (context 0) of --seq-len tokens (fewer when the step is smaller), logits
+for the last token of each. Printed per row: step ms, tokens/s, model FLOPs per token, achieved TFLOP/s
+and its fraction of the measured bf16 matmul rate (fp8 rate for fp8/fp4 weights), transformers' time
+and the ratio. Written to $OUT (or --out): prefill.json, prefill.txt, prefill.png.
+
+GPU:  python3 scripts/bench_prefill.py
+CPU:  python3 scripts/bench_prefill.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "kernels"), str(REPO / "backends" / "nvidia"), str(REPO / "scripts")]
+
+from bench_model import (  # noqa: E402
+    attention_flops, build_deepinfer, build_transformers, flash_slice_raw, random_cache, setup, step_batch, use_ops,
+    weight_flops_per_token,
+)
+from kernel_bench_common import measure_ceilings, time_ms  # noqa: E402
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--tokens", type=_ints, default=None, help="tokens per step (default 4096,8192,16384)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per prompt (default 8192)")
+    parser.add_argument("--weights", default="bf16,fp4", help="comma list of bf16, fp8, fp4")
+    parser.add_argument("--hf-max-tokens", type=int, default=8192, help="largest step run on transformers")
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = parser.parse_args()
+    tokens = args.tokens or ([24, 48] if args.tiny else [4096, 8192, 16384])
+    seq_len = args.seq_len or (24 if args.tiny else 8192)
+    device, ops = setup(args.tiny)
+    ceilings = measure_ceilings(device, size=256 if args.tiny else 8192, copy_bytes=(1 << 22) if args.tiny else (2 << 30))
+    print("measured ceilings:", ceilings.describe(), flush=True)
+    rows = []
+    for weights in args.weights.split(","):
+        try:
+            rows += _deepinfer_rows(args.tiny, weights, tokens, seq_len, device, ops, ceilings)
+        except Exception as err:
+            traceback.print_exc()
+            rows.append({"impl": "deepinfer", "weights": weights, "error": f"{type(err).__name__}: {err}"})
+        _free(device)
+    if not args.no_hf:
+        try:
+            rows += _hf_rows(args.tiny, [t for t in tokens if t <= args.hf_max_tokens], seq_len, device)
+        except Exception as err:
+            traceback.print_exc()
+            rows.append({"impl": "transformers", "weights": "bf16", "error": f"{type(err).__name__}: {err}"})
+    _report(rows, ceilings, Path(args.out))
+
+
+def _deepinfer_rows(tiny, weights, tokens, seq_len, device, ops, ceilings):
+    from deepinfer_core.platform.kernel_ops import KernelOps
+
+    ops = type(ops)()  # NOTE: fresh ops per model: their expert-stack cache keeps the experts alive
+    bench = build_deepinfer(flash_slice_raw(tiny, weights), ops, device)
+    model, config = bench.model, bench.config
+    block_size = 2 * max(config.compress_ratios)
+    per_token = weight_flops_per_token(model)
+    head_flops = 2 * config.hidden_size * config.vocab_size
+    rate = ceilings.fp8_tflops if weights != "bf16" and ceilings.fp8_tflops else ceilings.bf16_tflops
+    rows = []
+    for total in tokens:
+        lens = [min(seq_len, total - start) for start in range(0, total, seq_len)]
+        batch = step_batch(lens, [0] * len(lens), block_size, device)
+        cache = random_cache(config, batch, block_size, device)
+
+        def step():
+            return model.compute_logits(model(batch, cache).hidden[batch.logits_indices])
+
+        row = {"impl": "deepinfer", "weights": weights, "tokens": total, "seqs": len(lens)}
+        try:
+            logits = step()
+            if total == tokens[0]:
+                use_ops(model, KernelOps())
+                expected = step()
+                use_ops(model, ops)
+                row["logits_rel_error_vs_reference_ops"] = float((logits - expected).norm() / expected.norm())
+            row["finite"] = bool(torch.isfinite(logits).all())
+            ms = time_ms(step, device, rep_ms=300)
+            flops = per_token * total + attention_flops(config, batch.positions) + head_flops * len(lens)
+            row.update(ms=ms, tokens_per_s=total / ms * 1e3, gflop_per_token=flops / total / 1e9,
+                       tflops=flops / ms / 1e9, matmul_fraction=flops / ms / 1e9 / rate)
+        except Exception as err:
+            traceback.print_exc()
+            row["error"] = f"{type(err).__name__}: {err}"
+        rows.append(row)
+        print(row, flush=True)
+        _free(device)
+    return rows
+
+
+def _hf_rows(tiny, tokens, seq_len, device):
+    raw = flash_slice_raw(tiny, "bf16")
+    model = build_transformers(raw, device)
+    rows = []
+    for total in tokens:
+        n = max(1, total // seq_len)
+        ids = torch.randint(0, 97, (n, min(seq_len, total)), device=device)
+        row = {"impl": "transformers", "weights": "bf16", "tokens": n * ids.shape[1], "seqs": n}
+        try:
+            with torch.no_grad():
+                ms = time_ms(lambda: model(ids, use_cache=False, logits_to_keep=1), device, rep_ms=300)
+            row.update(ms=ms, tokens_per_s=row["tokens"] / ms * 1e3)
+        except Exception as err:
+            traceback.print_exc()
+            row["error"] = f"{type(err).__name__}: {err}"
+        rows.append(row)
+        print(row, flush=True)
+        _free(device)
+    _free(device)
+    return rows
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _report(rows, ceilings, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    hf = {r["tokens"]: r["ms"] for r in rows if r["impl"] == "transformers" and "ms" in r}
+    lines = [f"ceilings (measured): {ceilings.describe()}",
+             f"{'impl':<13}{'weights':<8}{'tokens':>7}{'seqs':>5}{'step_ms':>10}{'tok/s':>10}{'GFLOP/tok':>10}"
+             f"{'TFLOP/s':>9}{'%mm':>6}{'hf_ms':>9}{'x_hf':>7}{'rel_err':>9}  error"]
+    for r in rows:
+        ms, ref = r.get("ms"), hf.get(r.get("tokens"))
+        ratio = ref / ms if ms and ref and r["impl"] == "deepinfer" else None
+
+        def f(v, spec):
+            return "-" if v is None else format(v, spec)
+        lines.append(
+            f"{r['impl']:<13}{r['weights']:<8}{f(r.get('tokens'), 'd'):>7}{f(r.get('seqs'), 'd'):>5}{f(ms, '.2f'):>10}"
+            f"{f(r.get('tokens_per_s'), '.0f'):>10}{f(r.get('gflop_per_token'), '.2f'):>10}{f(r.get('tflops'), '.1f'):>9}"
+            f"{f(r.get('matmul_fraction') and 100 * r['matmul_fraction'], '.1f'):>6}"
+            f"{f(ref if r['impl'] == 'deepinfer' else None, '.2f'):>9}{f(ratio, '.2f'):>7}"
+            f"{f(r.get('logits_rel_error_vs_reference_ops'), '.1e'):>9}  {r.get('error', '')[:80]}"
+        )
+    table = "\n".join(lines)
+    (out / "prefill.txt").write_text(table)
+    (out / "prefill.json").write_text(json.dumps({"ceilings": ceilings.describe(), "rows": rows}, indent=1))
+    _plot(rows, out / "prefill.png")
+    print(table)
+
+
+def _plot(rows, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in sorted({(r["impl"], r["weights"]) for r in rows}):
+        pts = sorted((r["ms"], r["tokens_per_s"], r["tokens"]) for r in rows if (r["impl"], r["weights"]) == key and "ms" in r)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=" ".join(key))
+            for ms, tps, n in pts:
+                ax.annotate(str(n), (ms, tps), fontsize=7)
+    ax.set_xlabel("step latency (ms)")
+    ax.set_ylabel("prefill tokens/s per GPU (4-layer slice)")
+    ax.set_xscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

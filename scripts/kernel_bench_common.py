@@ -1,0 +1,71 @@
+"""Shared by the kernel check and the benchmarks: measured ceilings, timing, output poisoning.
+
+Ceilings are measured on the device the script runs on, never taken from a datasheet: a large bf16
+(and, where torch can, fp8) matrix product and a large device-to-device copy (bytes read + written).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Ceilings", "measure_ceilings", "poison_allocator", "time_ms"]
+
+
+@dataclass(frozen=True, slots=True)
+class Ceilings:
+    bf16_tflops: float
+    fp8_tflops: float | None
+    copy_gbps: float
+
+    def describe(self) -> str:
+        fp8 = f"{self.fp8_tflops:.0f}" if self.fp8_tflops else "n/a"
+        return f"bf16 matmul {self.bf16_tflops:.0f} TFLOP/s, fp8 matmul {fp8} TFLOP/s, copy {self.copy_gbps:.0f} GB/s"
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, rep_ms: int = 100) -> float:
+    """Median milliseconds per call: triton's do_bench (device events) on a GPU, a host clock on the CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+    fn()
+    samples = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def measure_ceilings(device: torch.device, size: int = 8192, copy_bytes: int = 2 << 30) -> Ceilings:
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=gen).to(torch.bfloat16)
+    b = torch.randn(size, size, device=device, generator=gen).to(torch.bfloat16)
+    bf16 = 2 * size**3 / time_ms(lambda: a @ b, device) / 1e9
+    fp8 = None
+    if device.type == "cuda":
+        try:
+            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+            one = torch.ones((), device=device)
+            fp8 = 2 * size**3 / time_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), device) / 1e9
+        except (RuntimeError, AttributeError) as err:
+            print(f"fp8 matmul ceiling not measured: {err}")
+    src = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, device=device).normal_(generator=gen)
+    dst = torch.empty_like(src)
+    copy = 2 * copy_bytes / time_ms(lambda: dst.copy_(src), device) / 1e6
+    return Ceilings(bf16, fp8, copy)
+
+
+def poison_allocator(device: torch.device, nbytes: int) -> None:
+    """Fill `nbytes` of the caching allocator's free memory with NaN bytes (0xFF) and release it, so
+    outputs the kernels allocate next start as NaN: an element they fail to write shows up as NaN."""
+    if device.type != "cuda":
+        return
+    block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    block.fill_(0xFF)
+    del block

@@ -1,0 +1,166 @@
+"""The cases `check_kernels_gpu.py` runs: real V4-Flash shapes (MODEL_SPEC §1.2), or toy ones with --tiny.
+
+Each case builds fresh random inputs on the device and returns (kernel_fn, reference_fn, flops, bytes,
+tolerance, fp8): bytes are the fewest the op must move (each input read once, each output written once);
+the tolerances are the interpreter tests' with room for the longer float32 accumulations of real shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from functools import partial
+
+import torch
+
+from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
+from deepinfer_core.quantization import quantize_fp4, quantize_fp8_block
+
+__all__ = ["kernel_cases"]
+
+LINEAR_TOL = 1e-2   # bf16 output rounding + float32 accumulation order over K up to 8192
+MOE_TOL = 3e-2      # + the reference's per-expert bf16 accumulation (the op's documented 3e-2)
+ATTENTION_TOL = 2e-2  # bf16 probabilities, rounded at different places (online softmax)
+NORM_TOL = 8e-3     # one bf16 output rounding
+
+
+def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
+    from check_kernels_gpu import Case
+
+    hidden, inter, experts, top_k = (96, 64, 8, 3) if tiny else (4096, 2048, 256, 6)
+    for shape in ([(17, 96), (9, 40)] if tiny else [(8192, 4096), (8192, 1024)]):
+        yield Case(f"rms_norm {list(shape)}", partial(_rms_norm, ops, reference, shape))
+    # (name, N, K): wq_a, wq_b, wkv, an expert's w1
+    projections = ([("wq_b", 80, 64), ("w1", 64, 96)] if tiny else
+                   [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096), ("w1", 2048, 4096)])
+    for m in ([1, 33] if tiny else [1, 64, 8192]):
+        for name, n, k in projections:
+            for fmt in ("bf16", "fp8", "fp4"):
+                yield Case(f"linear {name} {fmt} M={m} N={n} K={k}", partial(_linear, ops, reference, m, n, k, fmt, tiny))
+    for tokens in ([1, 21] if tiny else [1, 16, 64, 8192]):
+        for fmt in ("bf16", "fp8", "fp4"):
+            yield Case(f"fused_moe {fmt} T={tokens} E={experts} k={top_k}",
+                       partial(_moe, ops, reference, tokens, hidden, inter, experts, top_k, fmt, tiny))
+    heads, dim, ring = (4, 48, 8) if tiny else (64, 512, 128)
+    steps = ([("decode", 3, 1, 40), ("prefill", 1, 30, 0)] if tiny else
+             [("decode", 1, 1, 8192), ("decode", 64, 1, 8192), ("prefill", 1, 4096, 0)])
+    for kind, seqs, q_len, ctx in steps:
+        for layer, ratio in (("sliding", 0), ("csa", 4), ("hca", 8 if tiny else 128)):
+            yield Case(f"sparse_attention {layer} {kind} S={seqs} q={q_len} ctx={ctx}",
+                       partial(_attention, ops, reference, heads, dim, ring, seqs, q_len, ctx, layer, ratio, tiny))
+
+
+def _rms_norm(ops, reference, shape, gen, device):
+    x = torch.randn(*shape, device=device, generator=gen).to(torch.bfloat16)
+    weight = torch.rand(shape[-1], device=device, generator=gen) + 0.5
+    nbytes = 2 * x.numel() * 2 + weight.numel() * 4
+    return (lambda: ops.rms_norm(x, weight, 1e-6), lambda: reference.rms_norm(x, weight, 1e-6),
+            4 * x.numel(), nbytes, NORM_TOL, False)
+
+
+def _quantized(w: torch.Tensor, fmt: str, block: tuple[int, int]):
+    if fmt == "fp8":
+        q, s = quantize_fp8_block(w, block)
+        return q, s, block, 1.0 + 1.0 / (block[0] * block[1])
+    if fmt == "fp4":
+        q, s = quantize_fp4(w)
+        return q, s, None, 0.5 + 1.0 / 32
+    return w.to(torch.bfloat16), None, None, 2.0
+
+
+def _linear(ops, reference, m, n, k, fmt, tiny, gen, device):
+    x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)
+    weight, scale, block, bytes_per_weight = _quantized(w, fmt, (32, 32) if tiny else (128, 128))
+    nbytes = 2 * m * k + bytes_per_weight * n * k + 2 * m * n
+    return (lambda: ops.linear(x, weight, scale, block), lambda: reference.linear(x, weight, scale, block),
+            2 * m * n * k, nbytes, LINEAR_TOL, False)
+
+
+def stacked_experts(num: int, hidden: int, inter: int, fmt: str, gen, device, block) -> tuple[list[MlpWeights], float]:
+    """Random experts quantised one at a time into stacked tensors; each MlpWeights views its slice."""
+    stacks: dict[str, torch.Tensor] = {}
+    for e in range(num):
+        for name, shape in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter))):
+            w = torch.randn(*shape, device=device, generator=gen) / math.sqrt(shape[1])
+            q, s, _, bytes_per_weight = _quantized(w, fmt, block)
+            if e == 0:
+                stacks[name] = torch.empty((num, *q.shape), dtype=q.dtype, device=device)
+                if s is not None:
+                    stacks[name + "_scale"] = torch.empty((num, *s.shape), dtype=s.dtype, device=device)
+            stacks[name][e].copy_(q)
+            if s is not None:
+                stacks[name + "_scale"][e].copy_(s)
+    blk = block if fmt == "fp8" else None
+    mlps = [MlpWeights(*(stacks[n][e] for n in ("w1", "w3", "w2")),
+                       *((stacks[n + "_scale"][e] if n + "_scale" in stacks else None) for n in ("w1", "w3", "w2")),
+                       blk) for e in range(num)]
+    return mlps, bytes_per_weight
+
+
+def _moe(ops, reference, tokens, hidden, inter, experts, top_k, fmt, tiny, gen, device):
+    ops = type(ops)()  # NOTE: a fresh expert-stack cache per case, so earlier cases' experts can be freed
+    block = (32, 32) if tiny else (128, 128)
+    mlps, bytes_per_weight = stacked_experts(experts, hidden, inter, fmt, gen, device, block)
+    (shared,), _ = stacked_experts(1, hidden, inter, "fp8" if fmt != "bf16" else "bf16", gen, device, block)
+    x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
+    ids = torch.rand(tokens, experts, device=device, generator=gen).topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k, device=device, generator=gen) + 0.1
+    touched = int(torch.unique(ids).numel())
+    flops = 2 * tokens * (top_k + 1) * 3 * hidden * inter
+    nbytes = (touched * bytes_per_weight + 2) * 3 * hidden * inter + 2 * 2 * tokens * hidden
+    return (lambda: ops.fused_moe(x, weights, ids, mlps, shared, 10.0),
+            lambda: reference.fused_moe(x, weights, ids, mlps, shared, 10.0), flops, nbytes, MOE_TOL, False)
+
+
+def attention_batch(seqs: int, q_len: int, ctx: int, block_size: int, device) -> tuple[ForwardBatch, int]:
+    """seqs sequences of q_len new tokens after ctx cached ones, consecutive blocks; returns (batch, blocks)."""
+    per_seq = (ctx + q_len) // block_size + 1
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(seqs)]
+    starts = torch.arange(seqs + 1, dtype=torch.int32) * q_len
+    batch = ForwardBatch(
+        input_ids=torch.zeros(seqs * q_len, dtype=torch.long, device=device),
+        positions=torch.arange(ctx, ctx + q_len).repeat(seqs).to(device),
+        query_start_loc=starts.to(device),
+        context_lens=torch.full((seqs,), ctx, dtype=torch.int32, device=device),
+        slot_ids=torch.arange(seqs, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        logits_indices=(starts[1:] - 1).long().to(device),
+        query_lens_cpu=[q_len] * seqs, context_lens_cpu=[ctx] * seqs,
+        slot_ids_cpu=list(range(seqs)), block_tables_cpu=tables,
+    )
+    return batch, seqs * per_seq
+
+
+def _attention(ops, reference, heads, dim, ring, seqs, q_len, ctx, layer, ratio, tiny, gen, device):
+    block_size = 16 if tiny else 128
+    batch, num_blocks = attention_batch(seqs, q_len, ctx, block_size, device)
+    tokens = seqs * q_len
+    q = torch.randn(tokens, heads, dim, device=device, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(tokens, dim, device=device, generator=gen).to(torch.bfloat16)
+    window = torch.randn(seqs, ring, dim, device=device, generator=gen).to(torch.bfloat16)
+    sinks = torch.randn(heads, device=device, generator=gen)
+    positions = batch.positions
+    keys = torch.clamp(positions + 1, max=ring)  # window keys per query
+    kwargs = {}
+    if ratio:
+        per_block = block_size // ratio
+        kwargs = {"entries": torch.randn(num_blocks, per_block, dim, device=device, generator=gen).to(torch.bfloat16),
+                  "ratio": ratio}
+        visible = (positions + 1) // ratio
+        if layer == "csa":
+            top_k = 4 if tiny else 512
+            n_entries = (ctx + q_len) // ratio
+            scores = torch.rand(tokens, max(n_entries, top_k), device=device, generator=gen)
+            scores[torch.arange(scores.shape[1], device=device)[None, :] >= visible[:, None]] = -1.0
+            best = scores.topk(top_k, dim=-1)
+            kwargs["selected"] = torch.where(best.values >= 0, best.indices, -1)
+            keys = keys + visible.clamp(max=top_k)
+        else:
+            keys = keys + visible
+    attended = int(keys.sum())
+    unique_keys = seqs * (min(ctx, ring) + q_len + ((ctx + q_len) // ratio if ratio else 0))
+    nbytes = 2 * (2 * tokens * heads * dim + unique_keys * dim)
+    run: Callable = lambda o: o.sparse_attention(q, kv, window, sinks, dim**-0.5, batch, **kwargs)
+    return (lambda: run(ops), lambda: run(reference), 4 * heads * dim * attended, nbytes, ATTENTION_TOL, False)

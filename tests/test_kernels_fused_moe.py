@@ -1,0 +1,80 @@
+"""Triton grouped-GEMM MoE (through `TritonOps.fused_moe`) against `KernelOps.fused_moe`."""
+
+from __future__ import annotations
+
+import triton_interpreter  # noqa: F401  (sets TRITON_INTERPRET=1 before the kernels import)
+
+import pytest
+import torch
+from kernel_checks import assert_matches
+
+from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
+from deepinfer_core.quantization import quantize_fp4, quantize_fp8_block
+from deepinfer_nvidia.ops import TritonOps
+
+# The reference accumulates each expert's weighted output in the compute dtype in expert order, the
+# kernel sums the k outputs in float32: bfloat16 differs by a few output roundings (~1e-2 in norm);
+# float32 only by summation order.
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
+
+
+def _mlp(fmt: str, hidden: int, inter: int, gen: torch.Generator, dtype: torch.dtype) -> MlpWeights:
+    shapes = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
+    mats = {name: torch.randn(*shape, generator=gen) / 6 for name, shape in shapes.items()}
+    if fmt == "fp8":
+        q = {name: quantize_fp8_block(m, (64, 64)) for name, m in mats.items()}
+        return MlpWeights(q["w1"][0], q["w3"][0], q["w2"][0], q["w1"][1], q["w3"][1], q["w2"][1], (64, 64))
+    if fmt == "fp4":
+        q = {name: quantize_fp4(m) for name, m in mats.items()}
+        return MlpWeights(q["w1"][0], q["w3"][0], q["w2"][0], q["w1"][1], q["w3"][1], q["w2"][1])
+    return MlpWeights(mats["w1"].to(dtype), mats["w3"].to(dtype), mats["w2"].to(dtype))
+
+
+def _inputs(fmt, dtype, tokens, experts=7, top_k=3, hidden=96, inter=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
+    mlps = [_mlp(fmt, hidden, inter, gen, dtype) for _ in range(experts)]
+    return x, weights, ids, mlps, _mlp("dense", hidden, inter, gen, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "fp4"])
+@pytest.mark.parametrize("tokens", [1, 23])
+def test_fused_moe_matches_reference(dtype, fmt, tokens):
+    x, weights, ids, mlps, shared = _inputs(fmt, dtype, tokens, seed=tokens)
+    out = TritonOps().fused_moe(x, weights, ids, mlps, shared, 1.5)
+    assert_matches(out, KernelOps().fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[dtype])
+
+
+def test_experts_not_held_contribute_nothing():
+    x, weights, ids, mlps, shared = _inputs("dense", torch.float32, 23, seed=5)
+    mlps = [m if i % 3 else None for i, m in enumerate(mlps)]
+    out = TritonOps().fused_moe(x, weights, ids, mlps, shared, 1.5)
+    assert_matches(out, KernelOps().fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[torch.float32])
+
+
+def test_experts_viewing_one_stack_are_used_without_a_copy():
+    x, weights, ids, mlps, shared = _inputs("dense", torch.float32, 9, seed=11)
+    stacks = {name: torch.stack([getattr(m, name) for m in mlps]) for name in ("w1", "w3", "w2")}
+    # Parameters wrapping the slices, as a model holding its experts stacked would
+    views = [
+        MlpWeights(*(torch.nn.Parameter(stacks[name][i], requires_grad=False) for name in ("w1", "w3", "w2")))
+        for i in range(len(mlps))
+    ]
+    ops = TritonOps()
+    out = ops.fused_moe(x, weights, ids, views, shared, 1.5)
+    (stacked,) = ops._expert_stacks.values()
+    assert stacked.w1.data_ptr() == stacks["w1"].data_ptr()
+    assert_matches(out, KernelOps().fused_moe(x, weights, ids, views, shared, 1.5), TOLERANCE[torch.float32])
+
+
+def test_an_in_place_reload_rebuilds_the_stack():
+    x, weights, ids, mlps, shared = _inputs("dense", torch.float32, 9, seed=13)
+    ops = TritonOps()
+    ops.fused_moe(x, weights, ids, mlps, shared, 1.5)
+    for m in mlps:
+        m.w1.copy_(torch.randn(m.w1.shape))
+    out = ops.fused_moe(x, weights, ids, mlps, shared, 1.5)
+    assert_matches(out, KernelOps().fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[torch.float32])

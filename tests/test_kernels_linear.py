@@ -1,0 +1,63 @@
+"""Triton `linear` (dense, fp8 block-scaled, packed fp4 weights) against `KernelOps.linear`."""
+
+from __future__ import annotations
+
+import triton_interpreter  # noqa: F401  (sets TRITON_INTERPRET=1 before the kernels import)
+
+import pytest
+import torch
+from kernel_checks import assert_matches
+
+from deepinfer_core.platform.kernel_ops import KernelOps
+from deepinfer_core.quantization import quantize_fp4, quantize_fp8_block
+from deepinfer_kernels.linear import linear, linear_supported
+from deepinfer_nvidia.ops import TritonOps
+
+# Same dequantised weights on both sides (power-of-two scales are exact), so only the float32
+# accumulation order differs: float32 ~1e-7; bfloat16 adds the output rounding (~4e-3 in norm).
+TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 8e-3}
+
+
+def _weight(fmt: str, n: int, k: int, gen: torch.Generator, dtype: torch.dtype):
+    w = torch.randn(n, k, generator=gen) / 8
+    if fmt == "fp8":
+        block = (32, 64)
+        return (*quantize_fp8_block(w, block), block)
+    if fmt == "fp4":
+        return (*quantize_fp4(w), None)
+    return w.to(dtype), None, None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "fp4"])
+@pytest.mark.parametrize("m,n,k", [(1, 72, 96), (37, 83, 160), (70, 130, 64)])
+def test_linear_matches_reference(dtype, fmt, m, n, k):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    weight, scale, block = _weight(fmt, n, k, gen, dtype)
+    assert linear_supported(weight, block)
+    out = linear(x, weight, scale, block)
+    assert_matches(out, KernelOps().linear(x, weight, scale, block), TOLERANCE[dtype])
+
+
+def test_linear_keeps_leading_dims_and_reads_strided_rows():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 2, 64, generator=gen).to(torch.bfloat16)[:, :, 0]
+    weight, scale, block = _weight("fp8", 48, 64, gen, torch.bfloat16)
+    out = linear(x, weight, scale, block)
+    assert out.shape == (2, 5, 48)
+    assert_matches(out, KernelOps().linear(x, weight, scale, block), TOLERANCE[torch.bfloat16])
+
+
+def test_fp8_blocks_the_tiles_cannot_divide_are_refused():
+    weight = torch.randn(48, 48).to(torch.float8_e4m3fn)
+    assert not linear_supported(weight, (24, 24))
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "fp4"])
+def test_grouped_linear_matches_reference(fmt):
+    gen = torch.Generator().manual_seed(len(fmt))
+    x = torch.randn(7, 3, 64, generator=gen).to(torch.bfloat16)
+    weight, scale, block = _weight(fmt, 3 * 32, 64, gen, torch.bfloat16)
+    out = TritonOps().grouped_linear(x, weight, scale, block)
+    assert_matches(out, KernelOps().grouped_linear(x, weight, scale, block), TOLERANCE[torch.bfloat16])

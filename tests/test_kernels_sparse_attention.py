@@ -1,0 +1,84 @@
+"""Triton `sparse_attention` (prefill and decode over the paged cache) against the reference op."""
+
+from __future__ import annotations
+
+import triton_interpreter  # noqa: F401  (sets TRITON_INTERPRET=1 before the kernels import)
+
+import pytest
+import torch
+from kernel_checks import assert_matches
+
+from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_core.platform.kernel_ops import KernelOps
+from deepinfer_kernels.sparse_attention import sparse_attention
+
+# float32: summation order (~1e-7). bfloat16: the probabilities are cast to bf16 before the value sum
+# on both sides, but the kernel's are unnormalised (online softmax) and rounded in a different place:
+# a few bf16 roundings apart (~1e-2 in norm at these sizes).
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
+
+RING, BLOCK_SIZE, RATIO, NUM_SLOTS, NUM_BLOCKS = 8, 16, 4, 5, 40
+
+
+def _batch(query_lens: list[int], context_lens: list[int], gen: torch.Generator) -> ForwardBatch:
+    """Random distinct slots and shuffled block tables; enough blocks for every position used."""
+    slots = torch.randperm(NUM_SLOTS, generator=gen)[: len(query_lens)].tolist()
+    blocks = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    per_seq = NUM_BLOCKS // len(query_lens)
+    tables = [blocks[i * per_seq:(i + 1) * per_seq] for i in range(len(query_lens))]
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return ForwardBatch(
+        input_ids=torch.zeros(int(starts[-1]), dtype=torch.long),
+        positions=torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens)]),
+        query_start_loc=starts,
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        slot_ids=torch.tensor(slots, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        logits_indices=starts[1:].long() - 1,
+        query_lens_cpu=query_lens,
+        context_lens_cpu=context_lens,
+        slot_ids_cpu=slots,
+        block_tables_cpu=tables,
+    )
+
+
+def _picks(n_entries: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """k distinct values of -1 .. n_entries-1 (padded with -1 when there are fewer)."""
+    picks = torch.full((k,), -1, dtype=torch.long)
+    drawn = torch.randperm(n_entries + 1, generator=gen)[:k] - 1
+    picks[: drawn.numel()] = drawn
+    return picks
+
+
+STEPS = {
+    # fresh prefill longer than the ring, a continued chunk, decodes before and after the ring wraps
+    "mixed": ([11, 5, 1, 1], [0, 13, 3, 37]),
+    "decode": ([1, 1, 1], [60, 9, 0]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layer", ["sliding", "all_entries", "selected"])
+@pytest.mark.parametrize("step", sorted(STEPS))
+def test_sparse_attention_matches_reference(dtype, layer, step):
+    heads, dim = 20, 48  # more heads than one head block, a head_dim that is not a power of two
+    gen = torch.Generator().manual_seed(len(layer) * 10 + len(step))
+    batch = _batch(*STEPS[step], gen)
+    tokens = batch.num_tokens
+    q = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
+    kv = torch.randn(tokens, dim, generator=gen).to(dtype)
+    window = torch.randn(NUM_SLOTS, RING, dim, generator=gen).to(dtype)
+    sinks = torch.randn(heads, generator=gen)
+    kwargs = {}
+    if layer != "sliding":
+        kwargs = {"entries": torch.randn(NUM_BLOCKS, BLOCK_SIZE // RATIO, dim, generator=gen).to(dtype), "ratio": RATIO}
+    if layer == "selected":
+        # distinct picks per row among the sequence's entries (some not yet visible to the row) and -1;
+        # the contract has no meaning for indices past the sequence's entries
+        kwargs["selected"] = torch.cat([
+            torch.stack([_picks((ctx + n) // RATIO, 3, gen) for _ in range(n)])
+            for n, ctx in zip(batch.query_lens_cpu, batch.context_lens_cpu)
+        ])
+    args = (q, kv, window, sinks, dim**-0.5, batch)
+    out = sparse_attention(*args, **kwargs)
+    assert_matches(out, KernelOps().sparse_attention(*args, **kwargs), TOLERANCE[dtype])
