@@ -1,0 +1,55 @@
+"""User-facing engine configuration: typed, validated, and every error names its field."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["EngineConfig", "SchedulerConfig"]
+
+
+class SchedulerConfig(BaseModel):
+    """How many sequences and tokens one engine step may hold."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences in one step.")
+    max_num_batched_tokens: int = Field(
+        8192, ge=1, description="Token budget of one step; longer prompts are prefilled in chunks."
+    )
+    async_scheduling: bool = Field(
+        True, description="Prepare step N+1 on the host while the device runs step N."
+    )
+
+
+class EngineConfig(BaseModel):
+    """Everything `LLM(...)` needs to build an engine."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(
+        None, description="Local checkpoint directory or hub id; None uses DEEPINFER_HF_MODEL_DIR."
+    )
+    accelerator: str | None = Field(
+        None, description="Backend name; None uses DEEPINFER_ACCELERATOR or the best available."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Activation dtype; auto = the checkpoint's torch_dtype."
+    )
+    seed: int = Field(0, ge=0, description="Seed from which unseeded requests derive theirs.")
+    kv_cache_memory_fraction: float = Field(
+        0.9, gt=0.0, le=1.0,
+        description="Share of the device memory left free after loading that the KV pool may use.",
+    )
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="Exact KV block count; overrides kv_cache_memory_fraction."
+    )
+    block_size: int | None = Field(
+        None, ge=1, description="Tokens per KV block; None = the model's smallest valid size."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + output; None = the model's max positions."
+    )
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+

@@ -1,0 +1,265 @@
+"""The step loop: schedule, launch, and turn sampled tokens into request outputs.
+
+With asynchronous scheduling the loop launches step N+1 before it reads step N's tokens, so the
+host's scheduling and input preparation overlap the device's work; a sequence that step N
+finished was already scheduled in step N+1, whose token for it is discarded. Without it, every
+step is read before the next is scheduled. Both give the same tokens: sampling is keyed on
+(seed, output position), never on the step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
+from deepinfer_core.engine.kv_cache import KVPoolTooSmallError
+from deepinfer_core.engine.model_runner import ModelRunner, StepResult
+from deepinfer_core.engine.outputs import CompletionOutput, RequestOutput
+from deepinfer_core.engine.sampler import derive_seed
+from deepinfer_core.engine.sampling_params import SamplingParams
+from deepinfer_core.engine.scheduler import ScheduledSeq, Scheduler
+from deepinfer_core.engine.sequence import Sequence
+
+__all__ = ["LLMEngine", "StepStats", "EngineStats"]
+
+
+@dataclass(slots=True)
+class StepStats:
+    num_seqs: int
+    prefill_tokens: int
+    decode_tokens: int
+    host_s: float          # scheduling, input preparation and output processing
+    launch_s: float        # queueing the step (the whole step where the device runs synchronously)
+    wait_s: float          # the host blocked on the device
+    device_s: float | None  # device time from the backend's timing events, where it has them
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: list[StepStats] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    def summary(self) -> dict[str, float]:
+        n = max(len(self.steps), 1)
+        prefill = sum(s.prefill_tokens for s in self.steps)
+        decode = sum(s.decode_tokens for s in self.steps)
+        device = [s.device_s if s.device_s is not None else s.launch_s for s in self.steps]
+        prefill_time = sum(d for d, s in zip(device, self.steps) if s.prefill_tokens)
+        decode_time = sum(d for d, s in zip(device, self.steps) if not s.prefill_tokens)
+        return {
+            "steps": len(self.steps),
+            "prefill_tokens": prefill,
+            "decode_tokens": decode,
+            "prefill_tokens_per_s": prefill / prefill_time if prefill_time else 0.0,
+            "decode_tokens_per_s": decode / decode_time if decode_time else 0.0,
+            "mean_batch_size": sum(s.num_seqs for s in self.steps) / n,
+            "host_ms_per_step": 1e3 * sum(s.host_s for s in self.steps) / n,
+            "device_ms_per_step": 1e3 * sum(device) / n,
+            "wait_ms_per_step": 1e3 * sum(s.wait_s for s in self.steps) / n,
+            "preemptions": self.num_preemptions,
+        }
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        tokenizer: Any,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        seed: int,
+        async_scheduling: bool,
+        fork_prompts: bool,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.seed = seed
+        self.async_scheduling = async_scheduling
+        self.fork_prompts = fork_prompts
+        self.stats = EngineStats()
+        self._requests: dict[int, _Request] = {}
+        self._num_requests = 0
+        self._num_seqs = 0
+        self._in_flight: StepResult | None = None
+        self._untimed: dict[int, StepStats] = {}
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> int:
+        """Queue a validated request; returns its id (also the index its unseeded seed derives from)."""
+        request_id = self._num_requests
+        self._num_requests += 1
+        base_seed = params.seed if params.seed is not None else derive_seed(self.seed, request_id)
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(
+                seq_id=self._num_seqs,
+                request_id=request_id,
+                index=index,
+                token_ids=list(prompt_token_ids),
+                num_prompt_tokens=len(prompt_token_ids),
+                max_num_tokens=min(len(prompt_token_ids) + params.max_tokens, self.max_model_len),
+                params=params,
+                seed=base_seed if index == 0 else derive_seed(base_seed, index),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop),
+            )
+            self._num_seqs += 1
+            seqs.append(seq)
+        if self.fork_prompts:
+            seqs[0].forks = seqs[1:]  # prefilled once, then forked (see scheduler)
+            self.scheduler.add(seqs[0])
+        else:
+            for seq in seqs:
+                self.scheduler.add(seq)
+        self._requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), seqs)
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request now; it is dropped without an output."""
+        request = self._requests.pop(request_id)
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the requests that finished in it."""
+        started = time.perf_counter()
+        host_s = launch_s = wait_s = 0.0
+        scheduled = self.scheduler.schedule()
+        launched = None
+        if scheduled:
+            prepared = self.runner.prepare(scheduled, self._in_flight)
+            launched = self.runner.execute(prepared, self._in_flight)
+            launch_s = launched.launch_s
+        elif self._in_flight is None:
+            raise KVPoolTooSmallError(
+                "the scheduler found nothing to run while requests are unfinished: the KV pool "
+                "cannot hold the next waiting sequence; raise num_kv_blocks or kv_cache_memory_fraction"
+            )
+        finished: list[RequestOutput] = []
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            wait_s += self._process(previous, finished)
+        if not self.async_scheduling and self._in_flight is not None:
+            wait_s += self._process(self._in_flight, finished)
+            self._in_flight = None
+        if not self._requests and self._in_flight is not None:
+            wait_s += self._process(self._in_flight, finished)  # every token it computed is surplus
+            self._in_flight = None
+        if launched is not None:
+            host_s = time.perf_counter() - started - launch_s - wait_s
+            stats = StepStats(
+                num_seqs=len(scheduled),
+                prefill_tokens=sum(s.num_tokens for s in scheduled if not _is_decode(s)),
+                decode_tokens=sum(1 for s in scheduled if _is_decode(s)),
+                host_s=host_s,
+                launch_s=launch_s,
+                wait_s=wait_s,
+                device_s=launched.device_seconds() if self._in_flight is None else None,
+            )
+            self.stats.steps.append(stats)
+            if self._in_flight is not None:
+                self._untimed[id(launched)] = stats
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        return finished
+
+    def _process(self, result: StepResult, finished: list[RequestOutput]) -> float:
+        host, waited = result.read()
+        stats = self._untimed.pop(id(result), None)
+        if stats is not None:
+            stats.device_s = result.device_seconds()  # its timing events are complete only now
+        for row, seq in enumerate(result.step.sampling_seqs):
+            if seq.is_finished:
+                continue  # finished one step earlier; this token was computed in vain
+            token = host.sampled[row]
+            seq.resolve_pending(token)
+            if seq.logprobs is not None:
+                seq.logprobs.append(_logprob_dict(
+                    token, host.logprobs[row], host.top_ids, host.top_logprobs, row, seq.params.logprobs
+                ))
+            self._check_finished(seq, token)
+        for row, (seq, position) in enumerate(result.step.prompt_lp_seqs):
+            if not seq.is_finished and len(seq.prompt_logprobs) == position:
+                seq.prompt_logprobs.append(
+                    _logprob_dict(seq.token_ids[position], host.prompt_logprobs[row], host.prompt_top_ids,
+                                  host.prompt_top_logprobs, row, seq.params.prompt_logprobs)
+                )
+        for seq in result.step.sampling_seqs:
+            request = self._requests.get(seq.request_id)
+            if request is not None and all(s.is_finished for s in request.seqs):
+                finished.append(self._request_output(self._requests.pop(seq.request_id)))
+        return waited
+
+    def _check_finished(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        reason, stop_reason = None, None
+        if token in params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            reason, stop_reason = "stop", token
+        else:
+            stop_string = seq.detokenizer.add_token(token)
+            if stop_string is not None:
+                reason, stop_reason = "stop", stop_string
+            elif seq.num_tokens - seq.num_pending >= seq.max_num_tokens:
+                reason = "length"
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+            seq.drop_pending()
+            self.scheduler.finish(seq)
+
+    def _request_output(self, request: _Request) -> RequestOutput:
+        first = request.seqs[0]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.detokenizer.text,
+                    token_ids=seq.output_token_ids,
+                    finish_reason=seq.finish_reason,
+                    logprobs=seq.logprobs,
+                    stop_reason=seq.stop_reason,
+                )
+                for seq in request.seqs
+            ],
+            prompt_logprobs=first.prompt_logprobs,
+            finished=True,
+        )
+
+
+def _is_decode(item: ScheduledSeq) -> bool:
+    return item.num_tokens == 1 and item.start >= item.seq.num_prompt_tokens
+
+
+def _logprob_dict(
+    token: int,
+    logprob: float,
+    top_ids: list[list[int]] | None,
+    top_values: list[list[float]] | None,
+    row: int,
+    num_top: int,
+) -> dict[int, float]:
+    """The row's `num_top` most likely tokens (the step computed the batch's largest count) plus `token`."""
+    entries = dict(zip(top_ids[row][:num_top], top_values[row][:num_top])) if top_ids is not None else {}
+    entries[token] = logprob
+    return entries

@@ -1,0 +1,138 @@
+"""Continuous batching with a token budget, chunked prefill and preemption by recompute.
+
+Each step first serves running sequences in admission order (one token for a decode, the next
+chunk for a prefill), then admits waiting ones while the token budget, the sequence limit and the
+KV pool allow. When a running sequence cannot get the blocks it needs, the most recently admitted
+running sequence is preempted: its cache is released and it waits to be prefilled again from all
+of its known tokens (prompt and outputs so far), so nothing it generated is lost.
+
+A request with n > 1 is prefilled once: its first sequence carries the others as `forks`; the
+step that finishes the prompt also starts every fork (a copy of the prompt's cache state, and a
+first token drawn from the same logits with the fork's own seed) while slots and blocks allow;
+a fork that does not fit waits and is prefilled on its own.
+
+Scheduling is optimistic: a scheduled token counts as computed at once, and a step that samples
+appends a PENDING placeholder, so the next step can be scheduled before this one's tokens are
+known (asynchronous scheduling).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from deepinfer_core.config import SchedulerConfig
+from deepinfer_core.engine.kv_cache import KVCacheManager
+from deepinfer_core.engine.sequence import Sequence, SequenceStatus
+
+__all__ = ["ScheduledSeq", "Scheduler"]
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int              # first position computed this step (= tokens cached before it)
+    num_tokens: int
+    samples: bool           # the chunk reaches the sequence's last token: sample the next one
+    forks: list[Sequence] = field(default_factory=list)  # siblings that copy its prompt state after the step
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted = False
+        forked: list[Sequence] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if num_tokens == 0 or seq.num_tokens >= seq.max_num_tokens:
+                index += 1  # nothing new to compute, or its in-flight token is its last
+                continue
+            while not self.kv.can_hold(seq, seq.num_computed_tokens + num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            scheduled.append(self._take(seq, num_tokens, forked))
+            budget -= num_tokens
+            index += 1
+
+        while (self.waiting and not preempted and budget > 0
+               and len(self.running) + len(forked) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            if seq.num_pending:
+                break
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if not self.kv.can_hold(seq, num_tokens):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self._take(seq, num_tokens, forked))
+            budget -= num_tokens
+        self.running.extend(forked)  # after the loops: a fork is never scheduled or preempted twice
+        return scheduled
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and give its cache back."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.kv.release(seq)
+
+    def _take(self, seq: Sequence, num_tokens: int, forked: list[Sequence]) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        self.kv.grow(seq, start + num_tokens)
+        seq.num_computed_tokens += num_tokens
+        samples = seq.num_computed_tokens == seq.num_tokens
+        item = ScheduledSeq(seq, start, num_tokens, samples)
+        if samples:
+            seq.append_pending()
+            if seq.forks:
+                item.forks = self._start_forks(seq, forked)
+        return item
+
+    def _start_forks(self, parent: Sequence, forked: list[Sequence]) -> list[Sequence]:
+        started = []
+        for fork in parent.forks:
+            fits = len(self.running) + len(forked) < self.config.max_num_seqs
+            if fits and self.kv.can_hold(fork, parent.num_prompt_tokens):
+                self.kv.grow(fork, parent.num_prompt_tokens)
+                fork.num_computed_tokens = parent.num_prompt_tokens
+                fork.status = SequenceStatus.RUNNING
+                fork.append_pending()
+                forked.append(fork)
+                started.append(fork)
+            else:
+                self.waiting.append(fork)
+        parent.forks = []
+        return started
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,98 @@
+"""On a GPU: the engine on the `nvidia` backend against transformers on the same GPU.
+
+For each dtype (float32, bfloat16) it generates greedy continuations of random prompts of several
+lengths with DeepInfer (async on and off) and with transformers' full-sequence forward (no cache,
+argmax of the last position, one forward per token), and prints per prompt how many leading tokens
+agree. The tiny checkpoint is random, so near-tied logits make a few bf16 divergences legitimate:
+the table prints the top-1/top-2 margin at the first divergence so a reader can tell.
+
+    python scripts/check_engine_gpu.py --out DIR [--prompts 16] [--tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.tools.tiny_checkpoint import make_tiny_checkpoint
+
+
+def transformers_greedy(model, prompt: list[int], n: int, device: str) -> tuple[list[int], list[float]]:
+    ids = torch.tensor([prompt], device=device)
+    tokens, margins = [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=ids).logits[0, -1].float()
+            top = torch.topk(logits.log_softmax(-1), 2)
+            tokens.append(int(top.indices[0]))
+            margins.append(float(top.values[0] - top.values[1]))
+            ids = torch.cat([ids, top.indices[:1].view(1, 1)], dim=1)
+    return tokens, margins
+
+
+def leading_agreement(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--accelerator", default="nvidia", help="cpu runs the same check as a smoke test")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from transformers import DeepseekV4ForCausalLM
+
+    device = "cpu" if args.accelerator == "cpu" else "cuda"
+
+    checkpoint = make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny")
+    config = json.loads((checkpoint / "config.json").read_text())
+    gen = torch.Generator().manual_seed(0)
+    lengths = [1 + (i * 37) % 120 for i in range(args.prompts)]
+    prompts = [torch.randint(3, config["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    rows, summary = [], {}
+    for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        hf = DeepseekV4ForCausalLM.from_pretrained(checkpoint, dtype=dtype, experts_implementation="eager").to(device).eval()
+        reference = [transformers_greedy(hf, p, args.tokens, device) for p in prompts]
+        del hf
+        for async_scheduling in (True, False):
+            llm = LLM(model=str(checkpoint), accelerator=args.accelerator, dtype=dtype_name, async_scheduling=async_scheduling,
+                      max_num_batched_tokens=256)
+            started = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            elapsed = time.perf_counter() - started
+            full = 0
+            for i, (out, (ref, margins)) in enumerate(zip(outs, reference)):
+                got = list(out.outputs[0].token_ids)
+                agree = leading_agreement(got, ref)
+                full += agree == args.tokens
+                margin = margins[agree] if agree < args.tokens else float("nan")
+                rows.append((dtype_name, async_scheduling, i, len(prompts[i]), agree, margin))
+            summary[f"{dtype_name} async={async_scheduling}"] = {
+                "prompts_fully_agreeing": full, "prompts": len(prompts), "seconds": round(elapsed, 2),
+                "stats": llm.engine.stats.summary(),
+            }
+            del llm
+    lines = ["dtype     async  prompt  len  agree  margin_at_divergence"]
+    lines += [f"{d:9s} {str(a):6s} {i:6d} {n:4d} {g:6d}  {m:.4f}" for d, a, i, n, g, m in rows]
+    lines += [f"{k}: {v['prompts_fully_agreeing']}/{v['prompts']} prompts agree on all {args.tokens} tokens "
+              f"({v['seconds']} s)" for k, v in summary.items()]
+    text = "\n".join(lines)
+    (args.out / "engine_gpu.txt").write_text(text + "\n")
+    (args.out / "engine_gpu.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
