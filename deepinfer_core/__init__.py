@@ -15,6 +15,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "StructuredOutput",
     "__version__",
 ]
 
@@ -27,6 +28,7 @@ _LAZY = {
     "SamplingParams": "deepinfer_core.engine.sampling_params",
     "EngineConfig": "deepinfer_core.config",
     "SchedulerConfig": "deepinfer_core.config",
+    "StructuredOutput": "deepinfer_core.engine.structured",
 }
 
 if TYPE_CHECKING:
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from deepinfer_core.engine.llm import LLM, InvalidRequestError
     from deepinfer_core.engine.outputs import CompletionOutput, RequestOutput
     from deepinfer_core.engine.sampling_params import SamplingParams
+    from deepinfer_core.engine.structured import StructuredOutput
 
 
 def __getattr__(name: str) -> Any:

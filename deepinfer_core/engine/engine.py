@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
+from deepinfer_core.engine.grammar import PendingGrammar
 from deepinfer_core.engine.kv_cache import KVPoolTooSmallError
 from deepinfer_core.engine.model_runner import ModelRunner, StepResult
 from deepinfer_core.engine.outputs import CompletionOutput, RequestOutput
@@ -98,7 +99,11 @@ class LLMEngine:
         self._untimed: dict[int, StepStats] = {}
 
     def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        grammar: PendingGrammar | None = None,
     ) -> int:
         """Queue a validated request; returns its id (also the index its unseeded seed derives from)."""
         request_id = self._num_requests
@@ -116,6 +121,7 @@ class LLMEngine:
                 params=params,
                 seed=base_seed if index == 0 else derive_seed(base_seed, index),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop),
+                pending_grammar=grammar,
             )
             self._num_seqs += 1
             seqs.append(seq)
@@ -144,16 +150,22 @@ class LLMEngine:
         host_s = launch_s = wait_s = 0.0
         scheduled = self.scheduler.schedule()
         launched = None
+        finished: list[RequestOutput] = []
         if scheduled:
             prepared = self.runner.prepare(scheduled, self._in_flight)
-            launched = self.runner.execute(prepared, self._in_flight)
+            forward = self.runner.launch_forward(prepared, self._in_flight)
+            if prepared.constrained and self._in_flight is not None:
+                # This step's grammar masks need the in-flight step's tokens: read them while the
+                # device runs this step's forward.
+                wait_s += self._process(self._in_flight, finished)
+                self._in_flight = None
+            launched = self.runner.launch_sampling(forward)
             launch_s = launched.launch_s
         elif self._in_flight is None:
             raise KVPoolTooSmallError(
                 "the scheduler found nothing to run while requests are unfinished: the KV pool "
                 "cannot hold the next waiting sequence; raise num_kv_blocks or kv_cache_memory_fraction"
             )
-        finished: list[RequestOutput] = []
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             wait_s += self._process(previous, finished)
@@ -190,6 +202,11 @@ class LLMEngine:
                 continue  # finished one step earlier; this token was computed in vain
             token = host.sampled[row]
             seq.resolve_pending(token)
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                raise RuntimeError(
+                    f"sequence {seq.seq_id} sampled token {token}, which its grammar forbids: the "
+                    "grammar mask was not applied to its logits row"
+                )
             if seq.logprobs is not None:
                 seq.logprobs.append(_logprob_dict(
                     token, host.logprobs[row], host.top_ids, host.top_logprobs, row, seq.params.logprobs
@@ -211,6 +228,8 @@ class LLMEngine:
         params = seq.params
         reason, stop_reason = None, None
         if token in params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif seq.grammar is not None and seq.grammar.is_terminated():
             reason, stop_reason = "stop", token
         elif not params.ignore_eos and token in self.eos_token_ids:
             reason, stop_reason = "stop", token

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -21,6 +21,10 @@ from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.engine.outputs import RequestOutput
 from deepinfer_core.engine.sampling_params import SamplingParams
 from deepinfer_core.engine.scheduler import Scheduler
+from deepinfer_core.engine.structured import InvalidGrammarError
+
+if TYPE_CHECKING:
+    from deepinfer_core.engine.grammar import GrammarCompiler, PendingGrammar
 
 __all__ = ["LLM", "InvalidRequestError"]
 
@@ -63,6 +67,7 @@ class LLM:
                 async_scheduling=async_scheduling,
             ),
         )
+        self._grammar_compiler: GrammarCompiler | None = None
         self.engine = self._build_engine(self.config)
 
     def _build_engine(self, config: EngineConfig) -> LLMEngine:
@@ -111,7 +116,7 @@ class LLM:
             eos_ids.add(self.tokenizer.eos_token_id)
         return LLMEngine(
             scheduler=Scheduler(config.scheduler, self.kv),
-            runner=ModelRunner(self.model, cache, self.backend),
+            runner=ModelRunner(self.model, cache, self.backend, config.scheduler.max_num_seqs),
             tokenizer=self.tokenizer,
             eos_token_ids=eos_ids,
             max_model_len=self.max_model_len,
@@ -140,8 +145,8 @@ class LLM:
         params = _per_prompt(sampling_params, len(prompts))
         requests = [self._validated(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
         order = {}
-        for index, (text, token_ids, sp) in enumerate(requests):
-            order[self.engine.add_request(token_ids, sp, text)] = index
+        for index, (text, token_ids, sp, grammar) in enumerate(requests):
+            order[self.engine.add_request(token_ids, sp, text, grammar)] = index
         return self._run(order, use_tqdm)
 
     def chat(
@@ -183,7 +188,7 @@ class LLM:
 
     def _validated(
         self, index: int, prompt: Prompt, params: SamplingParams
-    ) -> tuple[str | None, list[int], SamplingParams]:
+    ) -> tuple[str | None, list[int], SamplingParams, PendingGrammar | None]:
         def fail(problem: str) -> InvalidRequestError:
             return InvalidRequestError(f"request {index}: {problem}; no request was run")
 
@@ -213,7 +218,26 @@ class LLM:
                 raise fail(f"SamplingParams.{name}={getattr(params, name)} exceeds the vocabulary ({vocab})")
         if any(t >= vocab for t in params.stop_token_ids):
             raise fail(f"stop_token_ids {params.stop_token_ids} reach outside the vocabulary [0, {vocab})")
-        return text, token_ids, params
+        grammar = None
+        if params.structured_output is not None:
+            if self.tokenizer is None:
+                raise fail(f"structured_output needs a tokenizer and {self.checkpoint_dir} has none")
+            try:
+                grammar = self._grammars().submit(params.structured_output)
+            except InvalidGrammarError as error:
+                raise fail(str(error)) from error
+        return text, token_ids, params, grammar
+
+    def _grammars(self) -> GrammarCompiler:
+        """Built on the first structured request: xgrammar's vocabulary scan takes ~2 s on a
+        129k-token tokenizer."""
+        if self._grammar_compiler is None:
+            from deepinfer_core.engine.grammar import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer, self.model_config.vocab_size, stop_token_ids=sorted(self.engine.eos_token_ids)
+            )
+        return self._grammar_compiler
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:

@@ -1,8 +1,10 @@
 """Turns a scheduled step into device work: inputs, forward, logits, sampling, logprobs.
 
 `prepare` builds the step on the host and copies it to the device on a side stream;
-`execute` queues the forward and the sampler on the compute stream and starts the copy of the
-results back to pinned host memory; `StepResult.read` waits for them. Sampled ids stay on the
+`launch_forward` queues the forward on the compute stream; `launch_sampling` masks grammar-
+constrained rows, queues the sampler and starts the copy of the results back to pinned host
+memory (between the two the host may advance grammar matchers with the previous step's tokens);
+`StepResult.read` waits for them. Sampled ids stay on the
 device: a decode row whose input the host does not know yet (the previous step's sample) is
 filled on the device from that step's sampled tensor, so the host never waits to launch a step.
 """
@@ -15,13 +17,14 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.engine.grammar_bitmask import GrammarBitmask
 from deepinfer_core.engine.sampler import SamplingTensors, compute_logprobs
 from deepinfer_core.engine.scheduler import ScheduledSeq
 from deepinfer_core.engine.sequence import PENDING, Sequence
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.interfaces import Backend
 
-__all__ = ["ModelRunner", "PreparedStep", "StepResult", "HostResults"]
+__all__ = ["ModelRunner", "PreparedStep", "LaunchedForward", "StepResult", "HostResults"]
 
 
 @dataclass(slots=True)
@@ -39,6 +42,15 @@ class PreparedStep:
     num_prompt_logprobs: int
     ready: Any                                      # event: the inputs are on the device
     prepare_s: float
+    constrained: bool                               # some sampling row follows a grammar
+
+
+@dataclass(slots=True)
+class LaunchedForward:
+    step: PreparedStep
+    logits: torch.Tensor
+    start_event: Any
+    launch_s: float
 
 
 @dataclass(slots=True)
@@ -89,13 +101,15 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, cache: Any, backend: Backend) -> None:
+    def __init__(self, model: Any, cache: Any, backend: Backend, max_num_seqs: int) -> None:
         self.model = model
         self.cache = cache
         self.ops = backend.ops()
         self.memory = backend.memory()
         self.device = backend.device
         self.copy_stream = self.memory.new_stream()
+        self.max_num_seqs = max_num_seqs
+        self._grammar_bitmask: GrammarBitmask | None = None
 
     def prepare(self, scheduled: list[ScheduledSeq], previous: StepResult | None) -> PreparedStep:
         started = time.perf_counter()
@@ -179,14 +193,17 @@ class ModelRunner:
             num_prompt_logprobs=max((s.params.prompt_logprobs or 0 for s, _ in prompt_lp_seqs), default=0),
             ready=ready,
             prepare_s=time.perf_counter() - started,
+            constrained=any(seq.pending_grammar is not None for seq in sampling_seqs),
         )
 
     @torch.inference_mode()
-    def execute(self, step: PreparedStep, previous: StepResult | None) -> StepResult:
+    def launch_forward(self, step: PreparedStep, previous: StepResult | None) -> LaunchedForward:
+        """Queue the forward and the logits; sampling waits for `launch_sampling`, so that the
+        host can first advance the grammar matchers with the previous step's tokens."""
         started = time.perf_counter()
         compute = self.memory.current_stream()
         compute.wait_event(step.ready)
-        start_event, end_event = self.memory.new_event(True), self.memory.new_event(True)
+        start_event = self.memory.new_event(True)
         start_event.record(compute)
         batch = step.batch
         if step.pending_rows is not None:
@@ -195,8 +212,22 @@ class ModelRunner:
         for fork in step.forks:
             self.cache.copy_sequence(*fork)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return LaunchedForward(step, logits, start_event, time.perf_counter() - started)
+
+    @torch.inference_mode()
+    def launch_sampling(self, forward: LaunchedForward) -> StepResult:
+        """Mask the constrained rows (every matcher must have accepted all earlier tokens), sample,
+        compute logprobs on the unmasked logits and start the copies to the host."""
+        started = time.perf_counter()
+        step, logits, start_event = forward.step, forward.logits, forward.start_event
+        compute = self.memory.current_stream()
+        end_event = self.memory.new_event(True)
         num_sampled = len(step.sampling_seqs)
         sample_logits, prompt_logits = logits[:num_sampled], logits[num_sampled:]
+        masked_logits = sample_logits
+        if step.constrained and self._fill_grammar_bitmask(step.sampling_seqs):
+            masked_logits = sample_logits.clone()
+            self._grammar_bitmask.apply(masked_logits)
 
         host: dict[str, torch.Tensor | None] = dict.fromkeys(
             ("sampled", "logprobs", "top_logprobs", "top_ids",
@@ -206,10 +237,10 @@ class ModelRunner:
         if step.sampling is not None:
             s = step.sampling
             if s.all_greedy:
-                sampled = sample_logits.argmax(dim=-1)
+                sampled = masked_logits.argmax(dim=-1)
             else:
                 sampled = self.ops.sample(
-                    sample_logits, s.temperature, s.seeds, s.positions, s.top_k, s.top_p, s.min_p
+                    masked_logits, s.temperature, s.seeds, s.positions, s.top_k, s.top_p, s.min_p
                 )
             host["sampled"] = sampled
             if any(seq.params.logprobs is not None for seq in step.sampling_seqs):
@@ -224,7 +255,21 @@ class ModelRunner:
         host = {name: self._to_host(value) for name, value in host.items()}
         done = self.memory.new_event()
         done.record(compute)
-        return StepResult(step, sampled, host, done, time.perf_counter() - started, start_event, end_event)
+        launch_s = forward.launch_s + time.perf_counter() - started
+        return StepResult(step, sampled, host, done, launch_s, start_event, end_event)
+
+    def _fill_grammar_bitmask(self, seqs: list[Sequence]) -> int:
+        """Host side of the grammar masks; returns how many rows are constrained."""
+        if self._grammar_bitmask is None:
+            self._grammar_bitmask = GrammarBitmask(
+                self.model.config.vocab_size, self.max_num_seqs, host_buffer=self.memory.pinned_buffer
+            )
+        matchers = []
+        for seq in seqs:
+            if seq.grammar is None and seq.pending_grammar is not None:
+                seq.grammar = seq.pending_grammar.new_matcher()  # waits if still compiling
+            matchers.append(None if seq.is_finished else seq.grammar)
+        return self._grammar_bitmask.fill(matchers)
 
     def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         staging = self.memory.pinned_buffer((len(values),), dtype)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from deepinfer_core.engine.structured import StructuredOutput
+
 __all__ = ["SamplingParams"]
 
 _MAX_SEED = 2**63 - 1
@@ -32,6 +34,7 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, ge=0, le=_MAX_SEED)
     logprobs: int | None = Field(None, ge=0, description="Top-k log-probabilities per token.")
     prompt_logprobs: int | None = Field(None, ge=0, description="Top-k per prompt position.")
+    structured_output: StructuredOutput | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_core.engine.outputs import Logprobs
 from deepinfer_core.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer_core.engine.grammar import GrammarMatcher, PendingGrammar
 
 __all__ = ["PENDING", "SequenceStatus", "Sequence"]
 
@@ -45,6 +49,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    pending_grammar: PendingGrammar | None = None   # compiling; becomes `grammar` when first sampled
+    grammar: GrammarMatcher | None = None
     forks: list[Sequence] = field(default_factory=list)  # n > 1: siblings that copy this prompt's state
 
     def __post_init__(self) -> None:
