@@ -90,11 +90,26 @@ check_ascend() {
         9.2*|9.[3-9]*|[1-9][0-9].*) info "CANN $version" ;;
         *) die "CANN $version found under $ASCEND_TOOLKIT_HOME; the ascend backend needs CANN 9.2" ;;
     esac
-    if "$PYTHON" -c 'import torch_npu' >/dev/null 2>&1; then
-        info "torch_npu $("$PYTHON" -c 'import torch_npu; print(torch_npu.__version__)')"
+    # torch_npu X.Y.Z is built against torch X.Y.Z: another torch fails at import or at the first op.
+    local torch_version="" npu_version
+    have_torch && torch_version=$(torch_attr 'torch.__version__.split("+")[0]')
+    if npu_version=$("$PYTHON" -c 'import torch_npu; print(torch_npu.__version__)' 2>/dev/null | tail -n 1); then
+        # torch_npu versions are torch's X.Y.Z, optionally followed by .postN or rcN.
+        case "$npu_version" in
+            "$torch_version"|"$torch_version".post*|"$torch_version"rc*) info "torch_npu $npu_version (torch $torch_version)" ;;
+            *) die "torch_npu $npu_version does not match torch ${torch_version:-(not installed)}: install the pair of one release, e.g. pip install torch==$(echo "$npu_version" | grep -o '^[0-9]*\.[0-9]*\.[0-9]*') torch-npu==$npu_version" ;;
+        esac
+    elif [ -n "$torch_version" ]; then
+        info "torch_npu is not installed: pip installs it with deepinfer[ascend]; it must be torch-npu==$torch_version (or a .postN of it) for torch $torch_version"
     else
         info "torch_npu is not installed: pip installs it with deepinfer[ascend]"
     fi
+    command -v npu-smi >/dev/null 2>&1 \
+        || die "npu-smi not found: install the Ascend NPU driver and firmware (they provide npu-smi), then check 'npu-smi info'"
+    local npus
+    npus=$(npu-smi info -l 2>/dev/null | grep -ci 'NPU ID' || true)
+    [ "$npus" -gt 0 ] || die "npu-smi lists no NPU: check the driver with 'npu-smi info' and ASCEND_RT_VISIBLE_DEVICES"
+    info "NPUs: $npus"
 }
 
 case "$ACCELERATOR" in

@@ -1,14 +1,15 @@
 """The `ascend` backend: Ascend NPUs through torch_npu, HCCL collectives, NPU memory and graphs.
 
-Until Ascend kernels land, the ops are the reference `KernelOps` running on the NPU. Nothing here
-runs in CI (no NPU, no torch_npu); `check()` explains what is missing.
+The ops are `AscendOps` (`ops.py`): the reference `KernelOps` on the NPU with the ops torch_npu has
+a documented fused operator for replaced by it. Nothing here runs in CI (no NPU, no torch_npu);
+`check()` explains what is missing and `scripts/check_ascend.py` is the proof to run on hardware.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from deepinfer_ascend.device_check import NpuDeviceInfo, probe_npu
+from deepinfer_ascend.device_check import NpuDeviceInfo, import_torch_npu, probe_npu
 from deepinfer_ascend.npu_memory import NpuMemoryManager
 from deepinfer_core.platform.distributed_communicator import DistributedCommunicator
 from deepinfer_core.platform.interfaces import Backend, Capabilities
@@ -39,7 +40,9 @@ class AscendBackend(Backend):
         }
 
     def ops(self) -> KernelOps:
-        return KernelOps()
+        from deepinfer_ascend.ops import AscendOps
+
+        return AscendOps(import_torch_npu())
 
     def communicator(self, group: Any = None) -> DistributedCommunicator:
         return DistributedCommunicator(group, self.distributed_backend)
@@ -48,7 +51,12 @@ class AscendBackend(Backend):
         return NpuMemoryManager(self.device)
 
     def capabilities(self) -> Capabilities:
-        # Reference ops on the NPU: no batch-invariant kernels yet, fp8/fp4 dequantised.
+        # Nothing is claimed that has not been proven on an NPU. batch_invariant: the fused
+        # operators and matmuls tile by shape. deterministic_sampling: the sampler is the reference
+        # (counter-based, pure integer ops), but run-to-run identical logits are unproven on Ascend.
+        # graphs: torch_npu documents NPUGraph capture/replay (torch_npu.npu.NPUGraph, aclnn ops only).
+        # fp8/fp4: no torch_npu page documents a matmul on e4m3 weights with DeepSeek's 128x128
+        # e8m0 block scales, so quantised weights are dequantised by the reference ops.
         return Capabilities(
-            batch_invariant=False, deterministic_sampling=True, graphs=True, fp8=False, fp4=False
+            batch_invariant=False, deterministic_sampling=False, graphs=True, fp8=False, fp4=False
         )
