@@ -134,21 +134,8 @@ class KernelOps:
         Returns (collapsed [T, D] streams.dtype = sum_i pre_i*streams_i, post [T, n] f32, comb [T, n, n] f32).
         Tolerance: float32 1e-5, bfloat16 1e-2 relative.
         """
-        n = streams.shape[1]
-        flat = streams.flatten(1).float()
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-        mix = torch.nn.functional.linear(flat, fn.float())
-        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-        pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
-        post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-        for _ in range(sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return collapsed, post, comb
+        pre, post, comb = self.hc_mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+        return self.hc_collapse(streams, pre), post, comb
 
     def hc_post(
         self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
