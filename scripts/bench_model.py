@@ -86,26 +86,10 @@ def use_ops(model: torch.nn.Module, ops: KernelOps) -> None:
 def build_deepinfer(raw: dict[str, Any], ops: KernelOps, device: torch.device, seed: int = 0) -> BenchModel:
     config = load_model_config(raw)
     model = DeepseekV4ForCausalLM(config, ops, torch.bfloat16, device)
-    for layer in model.layers:
-        _stack_experts(layer.ffn)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, tensor in model.state_dict().items():
         _randomise(name, tensor, config, gen)
     return BenchModel(config, model)
-
-
-def _stack_experts(moe: torch.nn.Module) -> None:
-    """Replace each expert's parameters by views of one [E, ...] tensor per projection (same names)."""
-    experts = list(moe.experts.values()) if isinstance(moe.experts, torch.nn.ModuleDict) else list(moe.experts)
-    for proj in ("w1", "w3", "w2"):
-        for attr in ("weight", "scale"):
-            params = [getattr(getattr(e, proj), attr) for e in experts]
-            if params[0] is None:
-                continue
-            stack = torch.empty((len(params), *params[0].shape), dtype=params[0].dtype, device=params[0].device)
-            for e, expert in enumerate(experts):
-                setattr(getattr(expert, proj), attr, torch.nn.Parameter(stack[e], requires_grad=False))
-            del params
 
 
 def _randomise(name: str, t: torch.Tensor, config: DeepseekV4Config, gen: torch.Generator) -> None:

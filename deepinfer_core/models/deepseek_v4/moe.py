@@ -55,6 +55,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({
             str(e): Expert(f, routed=True) for e in range(c.n_routed_experts) if f.holds_expert(layer_idx, e)
         })
+        _share_one_storage(list(self.experts.values()))
         self.shared_experts = Expert(f, routed=False)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -67,3 +68,22 @@ class MoE(nn.Module):
         held = {int(e): expert.weights() for e, expert in self.experts.items()}
         experts = [held.get(e) for e in range(c.n_routed_experts)]
         return self.ops.fused_moe(x, weights, ids, experts, self.shared_experts.weights(), c.swiglu_limit)
+
+
+def _share_one_storage(experts: list[Expert]) -> None:
+    """Re-point each held expert's tensors at slices of one stacked [E_held, N, K] tensor per projection.
+
+    Names stay `experts.{e}.w1.weight` (the loader's in-place copy fills the stack), and grouped-GEMM
+    kernels read the stack without copying it.
+    """
+    if not experts:
+        return
+    for proj in ("w1", "w3", "w2"):
+        for attr in ("weight", "scale"):
+            first = getattr(getattr(experts[0], proj), attr)
+            if first is None:
+                continue
+            stack = torch.empty((len(experts), *first.shape), dtype=first.dtype, device=first.device)
+            for i, expert in enumerate(experts):
+                setattr(getattr(expert, proj), attr, nn.Parameter(stack[i], requires_grad=False))
+
