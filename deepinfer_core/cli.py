@@ -82,10 +82,44 @@ def _run_make_tiny_checkpoint(args: argparse.Namespace) -> int:
     return tiny_checkpoint.main(args.passthrough_args)
 
 
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve MODEL over HTTP: OpenAI chat/completions/responses and Anthropic messages "
+        "(needs the `serve` extra)",
+    )
+    parser.add_argument("model", nargs="?", help=f"checkpoint directory or hub id (default: ${envs.HF_MODEL_DIR.name})")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", help="the `model` clients send (default: the checkpoint's folder name)")
+    parser.add_argument("--api-key", help="require this key (Authorization: Bearer, or x-api-key) on /v1 routes")
+    parser.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
+    parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body")
+    parser.add_argument("--accelerator", help=f"backend (default: ${envs.ACCELERATOR.name})")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--num-kv-blocks", type=int, help="exact KV pool size (default: from free memory)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from deepinfer_core.server.serve import ServeExtraMissing, run_serve_command
+
+    try:
+        return run_serve_command(args)
+    except ServeExtraMissing as exc:
+        print(f"deepinfer serve: error: {exc}", file=sys.stderr)
+        return 1
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_backends,
     _add_check_backend,
     _add_make_tiny_checkpoint,
+    _add_serve,
 ]
 
 
