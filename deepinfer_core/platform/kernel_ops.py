@@ -361,7 +361,7 @@ class KernelOps:
         weights: torch.Tensor,
         ids: torch.Tensor,
         experts: Sequence[MlpWeights | None],
-        shared: MlpWeights,
+        shared: MlpWeights | None,
         swiglu_limit: float,
     ) -> torch.Tensor:
         """Routed experts plus the shared expert, each a clamped SwiGLU MLP.
@@ -371,6 +371,8 @@ class KernelOps:
         (its rows contribute nothing). mlp(x) = w2 @ (silu(min(w1 x, L)) * clamp(w3 x, -L, L)), L = swiglu_limit.
         out = sum_k weights[t,k] * mlp_{ids[t,k]}(x[t]) + mlp_shared(x[t]), returned in x.dtype; each routed
         output is weighted after w2 and accumulated in x.dtype, in ascending expert order.
+        Expert parallelism also calls it with shared None (no shared term: routed pairs computed for
+        another rank) and with every expert None (the shared expert alone).
         Tolerance: float32 1e-5, bfloat16 3e-2 relative.
         """
         out = torch.zeros_like(x)
@@ -380,7 +382,7 @@ class KernelOps:
             rows, slot = torch.where(ids == expert)
             y = self._swiglu(x[rows], experts[expert], swiglu_limit) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
-        return out + self._swiglu(x, shared, swiglu_limit)
+        return out if shared is None else out + self._swiglu(x, shared, swiglu_limit)
 
     def _swiglu(self, x: torch.Tensor, mlp: MlpWeights, limit: float) -> torch.Tensor:
         gate = self.linear(x, mlp.w1, mlp.w1_scale, mlp.block).clamp(max=limit)
@@ -496,7 +498,7 @@ class KernelOps:
         weights: torch.Tensor,
         ids: torch.Tensor,
         experts: Sequence[MlpWeights | None],
-        shared: MlpWeights,
+        shared: MlpWeights | None,
         swiglu_limit: float,
     ) -> torch.Tensor:
         """V4.1 MoE: the routing weight multiplies the activation before w2; float32 accumulation.
@@ -514,7 +516,8 @@ class KernelOps:
             rows, slot = torch.where(ids == expert)
             y = self._swiglu_prescaled(x[rows], experts[expert], swiglu_limit, weights[rows, slot, None])
             out.index_add_(0, rows, y.float())
-        out += self._swiglu_prescaled(x, shared, swiglu_limit, None).float()
+        if shared is not None:
+            out += self._swiglu_prescaled(x, shared, swiglu_limit, None).float()
         return out.to(x.dtype)
 
     def _swiglu_prescaled(

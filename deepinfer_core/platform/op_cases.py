@@ -186,6 +186,16 @@ def _moe_inputs(gen, dt, expert_fmt, shared_fmt):
     return (x, weights, ids, mlps, _mlp(gen, dt, hidden, inter, shared_fmt), 1.5), {}
 
 
+def _moe_ep_inputs(gen, dt, part):
+    """Expert parallelism's two calls: one routed pair a row (some experts not held) with no shared
+    term, or the shared expert alone (no expert held)."""
+    (x, weights, ids, mlps, shared, limit), _ = _moe_inputs(gen, dt, "dense", "dense")
+    if part == "pairs":
+        held = [mlp if e % 3 else None for e, mlp in enumerate(mlps)]
+        return (x, weights[:, :1].contiguous(), ids[:, :1].contiguous(), held, None, limit), {}
+    return (x, weights, ids, [None] * len(mlps), shared, limit), {}
+
+
 def _quantized_linear_inputs(gen, dt, fmt):
     from deepinfer_core.quantization import quantize_fp4, quantize_fp8_block
 
@@ -279,6 +289,10 @@ OP_CASES: list[OpCase] = [
         "fused_moe", "fp4_experts_fp8_shared", lambda g, dt: _moe_inputs(g, dt, "fp4", "fp8"),
         rtol=_WIDE_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 6e-2},
     ),
+    OpCase("fused_moe", "ep_pairs_no_shared", lambda g, dt: _moe_ep_inputs(g, dt, "pairs"),
+           rtol=_WIDE_RTOL, atol=_WIDE_ATOL),
+    OpCase("fused_moe", "ep_shared_only", lambda g, dt: _moe_ep_inputs(g, dt, "shared"),
+           rtol=_WIDE_RTOL, atol=_WIDE_ATOL),
     OpCase(
         "sample", "mixed_rows_all_filters",
         lambda g, dt: (
@@ -355,6 +369,10 @@ OP_CASES += [
     OpCase("fused_moe_prescaled", "dense", lambda g, dt: _moe_inputs(g, dt, "dense", "dense"),
            rtol=_WIDE_RTOL, atol=_WIDE_ATOL),
     OpCase("fused_moe_prescaled", "fp4_experts_fp8_shared", lambda g, dt: _moe_inputs(g, dt, "fp4", "fp8"),
+           rtol=_WIDE_RTOL, atol=_WIDE_ATOL),
+    OpCase("fused_moe_prescaled", "ep_pairs_no_shared", lambda g, dt: _moe_ep_inputs(g, dt, "pairs"),
+           rtol=_WIDE_RTOL, atol=_WIDE_ATOL),
+    OpCase("fused_moe_prescaled", "ep_shared_only", lambda g, dt: _moe_ep_inputs(g, dt, "shared"),
            rtol=_WIDE_RTOL, atol=_WIDE_ATOL),
     OpCase(
         "gated_pool", "ratio_3",
