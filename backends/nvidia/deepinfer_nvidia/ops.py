@@ -71,11 +71,18 @@ class TritonOps(KernelOps):
         weights: torch.Tensor,
         ids: torch.Tensor,
         experts: Sequence[MlpWeights | None],
-        shared: MlpWeights,
+        shared: MlpWeights | None,
         swiglu_limit: float,
     ) -> torch.Tensor:
-        routed = self._moe_routed(x, weights, ids, self._stack(experts, x.device), swiglu_limit)
-        return (routed + self._swiglu(x, shared, swiglu_limit).float()).to(x.dtype)
+        # Expert parallelism calls this with no shared expert (pairs computed for another rank) or
+        # with no held expert (a rank that only adds the shared term).
+        if any(e is not None for e in experts):
+            out = self._moe_routed(x, weights, ids, self._stack(experts, x.device), swiglu_limit)
+        else:
+            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if shared is not None:
+            out = out + self._swiglu(x, shared, swiglu_limit).float()
+        return out.to(x.dtype)
 
     def sparse_attention(
         self,
