@@ -88,7 +88,7 @@ def test_ascend_reports_missing_torch_npu_and_cann(registry, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)
     backend = registry.create("ascend")
     assert backend.device_type == "npu" and backend.distributed_backend == "hccl"
-    with pytest.raises(BackendUnavailable, match=r"torch_npu.*CANN 9\.2.*pip install deepinfer\[ascend\]"):
+    with pytest.raises(BackendUnavailable, match=r"torch_npu.*CANN 9\.2.*deepinfer\[ascend\]"):
         backend.check()
 
 

@@ -93,7 +93,7 @@ def test_unknown_name_lists_installed_backends_and_missing_extras():
         _registry().select("nope")
     message = str(info.value)
     assert "'nope'" in message and "Installed backends: cpu" in message
-    assert "pip install deepinfer[nvidia]" in message and "pip install deepinfer[ascend]" in message
+    assert "deepinfer[nvidia]" in message and "deepinfer[ascend]" in message and "./build.sh" in message
 
 
 @pytest.mark.parametrize("name", ["nvidia", "ascend"])

@@ -32,8 +32,8 @@ __all__ = ["BackendRegistry", "BackendStatus", "FIRST_PARTY_INSTALL", "select_ba
 logger = logging.getLogger(__name__)
 
 FIRST_PARTY_INSTALL = {
-    "nvidia": "pip install deepinfer[nvidia]",
-    "ascend": "pip install deepinfer[ascend]",
+    "nvidia": "DEEPINFER_ACCELERATOR=nvidia ./build.sh (installs the deepinfer[nvidia] extra from a DeepInfer checkout)",
+    "ascend": "DEEPINFER_ACCELERATOR=ascend ./build.sh (installs the deepinfer[ascend] extra from a DeepInfer checkout)",
 }
 """Backends DeepInfer ships outside the core, and the command that installs each."""
 

@@ -19,7 +19,7 @@ MIN_CANN = (9, 2)
 
 _INSTALL = (
     "install CANN 9.2 (toolkit and kernels), `source <CANN>/set_env.sh` (e.g. "
-    "/usr/local/Ascend/ascend-toolkit/set_env.sh), then pip install deepinfer[ascend]"
+    "/usr/local/Ascend/ascend-toolkit/set_env.sh), then DEEPINFER_ACCELERATOR=ascend ./build.sh (the deepinfer[ascend] extra)"
 )
 
 

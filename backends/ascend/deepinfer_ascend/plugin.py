@@ -13,5 +13,5 @@ def deepinfer_backend() -> BackendRecord:
         name="ascend",
         factory="deepinfer_ascend.backend:AscendBackend",
         priority=90,
-        install="pip install deepinfer[ascend]",
+        install="DEEPINFER_ACCELERATOR=ascend ./build.sh (the deepinfer[ascend] extra)",
     )

@@ -63,7 +63,7 @@ def probe_cuda(device_index: int) -> CudaDeviceInfo:
         from cuda.bindings import runtime
     except ImportError as exc:
         raise BackendUnavailable(
-            f"cuda-python is not importable ({exc}): pip install deepinfer[nvidia] "
+            f"cuda-python is not importable ({exc}): DEEPINFER_ACCELERATOR=nvidia ./build.sh "
             "(or pip install 'cuda-python>=13')"
         ) from exc
     error, driver = runtime.cudaDriverGetVersion()

@@ -13,5 +13,5 @@ def deepinfer_backend() -> BackendRecord:
         name="nvidia",
         factory="deepinfer_nvidia.backend:NvidiaBackend",
         priority=100,
-        install="pip install deepinfer[nvidia]",
+        install="DEEPINFER_ACCELERATOR=nvidia ./build.sh (the deepinfer[nvidia] extra)",
     )
