@@ -80,7 +80,7 @@ class AscendOps(KernelOps):
         weights: torch.Tensor,
         ids: torch.Tensor,
         experts: Sequence[MlpWeights | None],
-        shared: MlpWeights,
+        shared: MlpWeights | None,
         swiglu_limit: float,
     ) -> torch.Tensor:
         # torch_npu.npu_grouped_matmul([x], [w], group_list=cumsum, split_item=3, group_type=0,
@@ -108,7 +108,8 @@ class AscendOps(KernelOps):
         act = torch.nn.functional.silu(gate.clamp(max=swiglu_limit)) * up.clamp(-swiglu_limit, swiglu_limit)
         y = self._grouped(act, stack.w2, group_list) * weights.flatten()[order, None]
         routed = torch.zeros_like(x).index_add_(0, rows, torch.where(kept, y, 0.0).to(x.dtype))
-        return routed + self._swiglu(x, shared, swiglu_limit)
+        # Expert parallelism passes no shared expert for pairs computed on behalf of another rank.
+        return routed if shared is None else routed + self._swiglu(x, shared, swiglu_limit)
 
     def _grouped(self, x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor) -> torch.Tensor:
         return self._grouped_matmul(
