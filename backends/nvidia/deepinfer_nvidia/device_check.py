@@ -63,8 +63,8 @@ def probe_cuda(device_index: int) -> CudaDeviceInfo:
         from cuda.bindings import runtime
     except ImportError as exc:
         raise BackendUnavailable(
-            f"cuda-python is not importable ({exc}): DEEPINFER_ACCELERATOR=nvidia ./build.sh "
-            "(or pip install 'cuda-python>=13')"
+            f"cuda-python is not importable ({exc}): DEEPINFER_ACCELERATOR=nvidia ./build.sh installs "
+            "it with the deepinfer[nvidia] extra (or pip install 'cuda-python>=13')"
         ) from exc
     error, driver = runtime.cudaDriverGetVersion()
     if error != runtime.cudaError_t.cudaSuccess or driver == 0:
