@@ -97,6 +97,32 @@ def test_hash_ids_match_the_spec_across_steps(name: str) -> None:
     assert torch.equal(torch.cat(got), expected)
 
 
+def test_batched_step_equals_one_sequence_at_a_time() -> None:
+    """The engine's steps mix sequences: fresh (context 0, stale slot content), mid-prompt chunks and
+    one-token decodes, in any slot order; hashing them together must equal hashing each alone."""
+    from deepinfer_core.models.forward_batch import ForwardBatch
+
+    config = model("a_release_like", "bf16").config.text_config
+    hasher = EngramHasher(config, [t % config.engram_compressed_vocab_size for t in range(config.vocab_size)])
+    gen = torch.Generator().manual_seed(5)
+    lookback = config.engram_max_ngram_size - 1
+    history = torch.randint(0, config.engram_compressed_vocab_size, (5, lookback), generator=gen)
+    slots, contexts, lens = [3, 0, 4, 1], [0, 9, 2, 40], [6, 1, 2, 5]
+    ids = torch.randint(0, config.vocab_size, (sum(lens),), generator=gen)
+    alone_history, alone, start = history.clone(), [], 0
+    for slot, context, n in zip(slots, contexts, lens):
+        alone.append(hasher.step(_batch(ids[start:start + n], context, slot), alone_history))
+        start += n
+    batch = ForwardBatch(
+        input_ids=ids, positions=torch.zeros(len(ids), dtype=torch.long),
+        query_start_loc=torch.tensor([0, *np.cumsum(lens)]), context_lens=torch.tensor(contexts),
+        slot_ids=torch.tensor(slots), block_tables=torch.zeros(4, 1), logits_indices=torch.arange(len(ids)),
+        query_lens_cpu=lens, context_lens_cpu=contexts, slot_ids_cpu=slots, block_tables_cpu=[[0]] * 4,
+    )
+    assert torch.equal(hasher.step(batch, history), torch.cat(alone))
+    assert torch.equal(history, alone_history)
+
+
 def test_dead_history_pads_every_longer_ngram() -> None:
     config = model("a_release_like", "bf16").config.text_config
     hasher = EngramHasher(config, list(range(config.vocab_size)))

@@ -14,7 +14,7 @@ Paged (block_size tokens a block, indexed by `ForwardBatch.block_tables`), per b
 Window, entries and keys are `StoredTensor`s: fp8 / fp4 codes plus scales with kv_cache_dtype "fp8_fp4"
 (890 bytes of global KV per token for the release layout), the model dtype with "bf16". Nothing at or
 after a sequence's context_len is read, so a sequence with context_len 0 may take any slot and blocks
-without clearing them.
+without clearing them. `copy_sequence` forks one sequence's state into another (n > 1).
 """
 
 from __future__ import annotations
@@ -79,6 +79,25 @@ class DeepseekV41Cache:
                 allocate((num_slots, ratio, c.head_dim), _OPEN_GROUP_DTYPE) if pooled else None,
             )
         self.engram_history = torch.full((num_slots, c.engram_max_ngram_size - 1), -1, dtype=torch.int64)
+
+    def copy_sequence(self, src_slot: int, dst_slot: int, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        """Make sequence dst's state a copy of src's: its slot state (windows, open groups, engram
+        look-back) and blocks `src_blocks` into `dst_blocks` (pairwise), codes and scales as stored.
+        The engine forks a prefilled prompt into n > 1 completions with it."""
+        device = self.windows[0].parts[0].device
+        src_rows = torch.tensor(src_blocks, dtype=torch.long, device=device)
+        dst_rows = torch.tensor(dst_blocks, dtype=torch.long, device=device)
+        for window in self.windows:
+            for part in window.parts:
+                part[dst_slot].copy_(part[src_slot])
+        for band in self.bands.values():
+            for stored in (band.entries, band.index_keys):
+                for part in stored.parts:
+                    part[dst_rows] = part[src_rows]
+            for open_group in (band.open_kv, band.open_gate):
+                if open_group is not None:
+                    open_group[dst_slot].copy_(open_group[src_slot])
+        self.engram_history[dst_slot].copy_(self.engram_history[src_slot])
 
     @staticmethod
     def block_size_multiple(config: DeepseekV41Config) -> int:

@@ -95,11 +95,14 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.trace.record("final_hidden", hidden)
         return ModelOutput(hidden, streams)
 
-    def gather_engram_rows(self, batch: ForwardBatch, cache: DeepseekV41Cache) -> dict[int, torch.Tensor]:
+    def gather_engram_rows(
+        self, batch: ForwardBatch, cache: DeepseekV41Cache, input_ids: torch.Tensor | None = None
+    ) -> dict[int, torch.Tensor]:
         """Engram layer -> its table rows [T, cols*head_dim] on the model's device for the step's tokens.
 
-        Depends only on the token ids: hashes on the host, advances `cache.engram_history` for the
-        step's slots, gathers in host memory and moves only the gathered rows.
+        Depends only on the token ids (`input_ids` on the host when the caller has them, else read from
+        `batch`): hashes on the host, advances `cache.engram_history` for the step's slots, gathers in
+        host memory and moves only the gathered rows. Call it once per step, in step order.
         """
         c = self.config.text_config
         if not c.engram_layer_ids:
@@ -109,7 +112,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 "DeepSeek-V4.1 engram layers need the tokenizer's compressed vocabulary: call "
                 "`bind_tokenizer_dir(checkpoint_dir)` (or `bind_token_map`) before the first forward"
             )
-        hash_ids = self.hasher.step(batch, cache.engram_history)
+        hash_ids = self.hasher.step(batch, cache.engram_history, input_ids)
         return {
             layer: self.layers[layer].engram.gather(hash_ids[:, k], self.device)
             for k, layer in enumerate(c.engram_layer_ids)
