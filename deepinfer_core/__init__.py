@@ -15,6 +15,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "StructuredOutput",
     "__version__",
 ]
@@ -28,6 +29,7 @@ _LAZY = {
     "SamplingParams": "deepinfer_core.engine.sampling_params",
     "EngineConfig": "deepinfer_core.config",
     "SchedulerConfig": "deepinfer_core.config",
+    "SpeculativeConfig": "deepinfer_core.speculative.config",
     "StructuredOutput": "deepinfer_core.engine.structured",
 }
 
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from deepinfer_core.engine.outputs import CompletionOutput, RequestOutput
     from deepinfer_core.engine.sampling_params import SamplingParams
     from deepinfer_core.engine.structured import StructuredOutput
+    from deepinfer_core.speculative.config import SpeculativeConfig
 
 
 def __getattr__(name: str) -> Any:

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deepinfer_core.speculative.config import SpeculativeConfig
+
 __all__ = ["EngineConfig", "SchedulerConfig"]
 
 
@@ -51,5 +53,14 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(
         None, ge=1, description="Longest prompt + output; None = the model's max positions."
     )
+    kv_cache_dtype: Literal["auto", "bf16", "fp8_fp4"] = Field(
+        "auto",
+        description="KV-cache storage format: auto = the model's own (fp8/fp4 for DeepSeek-V4.1, the model "
+        "dtype for V4); bf16 = the model dtype, unquantised (V4.1's debugging/parity mode); fp8_fp4 = V4.1's "
+        "fp8 window and fp4 compressed KV.",
+    )
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = Field(
+        None, description="Draft with the checkpoint's MTP layer and verify in one step; None = off."
+    )
 

@@ -1,6 +1,7 @@
 """Generate completions for a batch of prompts and print what the engine did.
 
     python examples/offline_inference.py [--model_name ID_OR_PATH] [--max_tokens N] [--temperature T]
+                                         [--speculative-k K [--speculative-threshold T]]
 
 The model is `--model_name`, else DEEPINFER_HF_MODEL_DIR, else (on a machine whose backend is the
 `cpu` one) a tiny random checkpoint written on first use to ~/.cache/deepinfer/tiny-deepseek-v4,
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from deepinfer_core import LLM, SamplingParams, envs
+from deepinfer_core import LLM, SamplingParams, SpeculativeConfig, envs
 from deepinfer_core.platform.registry import select_backend
 
 PROMPTS = [
@@ -52,11 +53,19 @@ def main() -> None:
     parser.add_argument("--num_prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--max_model_len", type=int, default=4096)
     parser.add_argument("--no_async", action="store_true", help="turn asynchronous scheduling off")
+    parser.add_argument("--speculative-k", type=int, default=0,
+                        help="draft up to K tokens per step with the checkpoint's MTP layer (0 = off)")
+    parser.add_argument("--speculative-threshold", type=float, default=0.0,
+                        help="stop drafting once a draft's own probability falls below this")
     args = parser.parse_args()
+    speculative = None
+    if args.speculative_k:
+        speculative = SpeculativeConfig(num_draft_tokens=args.speculative_k,
+                                        confidence_threshold=args.speculative_threshold)
 
     model = pick_model(args.model_name, args.accelerator)
     llm = LLM(model, accelerator=args.accelerator, dtype=args.dtype, max_model_len=args.max_model_len,
-              async_scheduling=not args.no_async)
+              async_scheduling=not args.no_async, speculative=speculative)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.num_prompts)]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     outputs = llm.generate(prompts, params)
@@ -74,6 +83,14 @@ def main() -> None:
         f"per step: device {s['device_ms_per_step']:.2f} ms, host {s['host_ms_per_step']:.2f} ms, "
         f"host waiting on the device {s['wait_ms_per_step']:.2f} ms"
     )
+    if speculative is not None:
+        per_position = [f"{s[f'spec_acceptance_rate_pos{j}']:.2f}" for j in range(args.speculative_k)
+                        if f"spec_acceptance_rate_pos{j}" in s]
+        print(
+            f"speculative: {s['spec_accepted_tokens']} of {s['spec_draft_tokens']} drafts accepted "
+            f"(rate {s['spec_acceptance_rate']:.2f}, per position {per_position}), "
+            f"{s['spec_tokens_per_step']:.2f} tokens per sequence-step"
+        )
 
 
 if __name__ == "__main__":

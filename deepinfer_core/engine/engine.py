@@ -4,7 +4,9 @@ With asynchronous scheduling the loop launches step N+1 before it reads step N's
 host's scheduling and input preparation overlap the device's work; a sequence that step N
 finished was already scheduled in step N+1, whose token for it is discarded. Without it, every
 step is read before the next is scheduled. Both give the same tokens: sampling is keyed on
-(seed, output position), never on the step.
+(seed, output position), never on the step. With speculative decoding every step is read before
+the next is scheduled (the drafts it proposed shape the next step), and a step may emit several
+tokens per sequence: its accepted drafts, then the target's own token.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from deepinfer_core.engine.sampler import derive_seed
 from deepinfer_core.engine.sampling_params import SamplingParams
 from deepinfer_core.engine.scheduler import ScheduledSeq, Scheduler
 from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.speculative import SpeculativeStats
 
 __all__ = ["LLMEngine", "StepStats", "EngineStats"]
 
@@ -30,7 +33,7 @@ __all__ = ["LLMEngine", "StepStats", "EngineStats"]
 class StepStats:
     num_seqs: int
     prefill_tokens: int
-    decode_tokens: int
+    decode_tokens: int     # positions decode sequences computed: 1 + drafts verified each, with speculation
     host_s: float          # scheduling, input preparation and output processing
     launch_s: float        # queueing the step (the whole step where the device runs synchronously)
     wait_s: float          # the host blocked on the device
@@ -41,8 +44,11 @@ class StepStats:
 class EngineStats:
     steps: list[StepStats] = field(default_factory=list)
     num_preemptions: int = 0
+    speculative: SpeculativeStats | None = None
 
     def summary(self) -> dict[str, float]:
+        """Per-step means and totals. With speculation, `spec_*` counts drafts verified and drafts
+        accepted as output tokens (a draft after a stop is not counted), per sequence-step."""
         n = max(len(self.steps), 1)
         prefill = sum(s.prefill_tokens for s in self.steps)
         decode = sum(s.decode_tokens for s in self.steps)
@@ -60,7 +66,21 @@ class EngineStats:
             "device_ms_per_step": 1e3 * sum(device) / n,
             "wait_ms_per_step": 1e3 * sum(s.wait_s for s in self.steps) / n,
             "preemptions": self.num_preemptions,
-        }
+        } | self._speculative_summary()
+
+    def _speculative_summary(self) -> dict[str, float]:
+        spec = self.speculative
+        if spec is None:
+            return {}
+        per_position = {f"spec_acceptance_rate_pos{j}": rate
+                        for j, rate in enumerate(spec.acceptance_rate_per_position)}
+        return {
+            "spec_draft_tokens": spec.num_drafted,
+            "spec_accepted_tokens": spec.num_accepted,
+            "spec_acceptance_rate": spec.acceptance_rate,
+            "spec_mean_accepted_length": spec.mean_accepted_drafts,
+            "spec_tokens_per_step": spec.tokens_per_step,
+        } | per_position
 
 
 @dataclass(slots=True, eq=False)
@@ -89,9 +109,10 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.seed = seed
-        self.async_scheduling = async_scheduling
+        speculative = runner.speculative is not None
+        self.async_scheduling = async_scheduling and not speculative
         self.fork_prompts = fork_prompts
-        self.stats = EngineStats()
+        self.stats = EngineStats(speculative=SpeculativeStats() if speculative else None)
         self._requests: dict[int, _Request] = {}
         self._num_requests = 0
         self._num_seqs = 0
@@ -180,7 +201,7 @@ class LLMEngine:
             stats = StepStats(
                 num_seqs=len(scheduled),
                 prefill_tokens=sum(s.num_tokens for s in scheduled if not _is_decode(s)),
-                decode_tokens=sum(1 for s in scheduled if _is_decode(s)),
+                decode_tokens=sum(s.num_tokens for s in scheduled if _is_decode(s)),
                 host_s=host_s,
                 launch_s=launch_s,
                 wait_s=wait_s,
@@ -197,21 +218,33 @@ class LLMEngine:
         stats = self._untimed.pop(id(result), None)
         if stats is not None:
             stats.device_s = result.device_seconds()  # its timing events are complete only now
-        for row, seq in enumerate(result.step.sampling_seqs):
+        spec = result.step.speculative
+        for index, seq in enumerate(result.step.sampling_seqs):
             if seq.is_finished:
                 continue  # finished one step earlier; this token was computed in vain
-            token = host.sampled[row]
-            seq.resolve_pending(token)
-            if seq.grammar is not None and not seq.grammar.accept(token):
-                raise RuntimeError(
-                    f"sequence {seq.seq_id} sampled token {token}, which its grammar forbids: the "
-                    "grammar mask was not applied to its logits row"
-                )
-            if seq.logprobs is not None:
-                seq.logprobs.append(_logprob_dict(
-                    token, host.logprobs[row], host.top_ids, host.top_logprobs, row, seq.params.logprobs
-                ))
-            self._check_finished(seq, token)
+            first_row = index if spec is None else spec.first_rows[index]
+            emitted = 0
+            for offset, token in enumerate(host.emitted[index]):
+                if offset == 0:
+                    seq.resolve_pending(token)
+                else:
+                    seq.append_accepted(token)
+                emitted += 1
+                if seq.grammar is not None and not seq.grammar.accept(token):
+                    raise RuntimeError(
+                        f"sequence {seq.seq_id} sampled token {token}, which its grammar forbids: the "
+                        "grammar mask was not applied to its logits row"
+                    )
+                if seq.logprobs is not None:
+                    row = first_row + offset
+                    seq.logprobs.append(_logprob_dict(
+                        token, host.logprobs[row], host.top_ids, host.top_logprobs, row, seq.params.logprobs
+                    ))
+                self._check_finished(seq, token)
+                if seq.is_finished:
+                    break
+            if spec is not None:
+                self._record_speculation(seq, result, index, emitted)
         for row, (seq, position) in enumerate(result.step.prompt_lp_seqs):
             if not seq.is_finished and len(seq.prompt_logprobs) == position:
                 seq.prompt_logprobs.append(
@@ -223,6 +256,15 @@ class LLMEngine:
             if request is not None and all(s.is_finished for s in request.seqs):
                 finished.append(self._request_output(self._requests.pop(seq.request_id)))
         return waited
+
+    def _record_speculation(self, seq: Sequence, result: StepResult, index: int, emitted: int) -> None:
+        verified = result.step.speculative.draft_lengths[index]
+        accepted = min(result.num_accepted[index], emitted)  # accepted drafts that became output
+        seq.num_draft_tokens += verified
+        seq.num_accepted_tokens += accepted
+        self.stats.speculative.record([verified], [accepted])
+        if not seq.is_finished:
+            seq.set_draft(*result.drafts[index])
 
     def _check_finished(self, seq: Sequence, token: int) -> None:
         params = seq.params
@@ -263,11 +305,15 @@ class LLMEngine:
             ],
             prompt_logprobs=first.prompt_logprobs,
             finished=True,
+            spec_draft_tokens=sum(s.num_draft_tokens for s in request.seqs) if self.stats.speculative else None,
+            spec_accepted_tokens=(
+                sum(s.num_accepted_tokens for s in request.seqs) if self.stats.speculative else None
+            ),
         )
 
 
 def _is_decode(item: ScheduledSeq) -> bool:
-    return item.num_tokens == 1 and item.start >= item.seq.num_prompt_tokens
+    return item.num_tokens == 1 + len(item.draft) and item.start >= item.seq.num_prompt_tokens
 
 
 def _logprob_dict(

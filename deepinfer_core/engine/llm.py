@@ -22,6 +22,7 @@ from deepinfer_core.engine.outputs import RequestOutput
 from deepinfer_core.engine.sampling_params import SamplingParams
 from deepinfer_core.engine.scheduler import Scheduler
 from deepinfer_core.engine.structured import InvalidGrammarError
+from deepinfer_core.speculative.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from deepinfer_core.engine.grammar import GrammarCompiler, PendingGrammar
@@ -51,6 +52,8 @@ class LLM:
         num_kv_blocks: int | None = None,
         block_size: int | None = None,
         max_model_len: int | None = None,
+        kv_cache_dtype: str = "auto",
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -61,18 +64,20 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             block_size=block_size,
             max_model_len=max_model_len,
+            kv_cache_dtype=kv_cache_dtype,
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 async_scheduling=async_scheduling,
             ),
+            speculative=speculative,
         )
         self._grammar_compiler: GrammarCompiler | None = None
         self.engine = self._build_engine(self.config)
 
     def _build_engine(self, config: EngineConfig) -> LLMEngine:
         from deepinfer_core.model_config import load_model_config
-        from deepinfer_core.models.registry import cache_class_for, model_class_for
+        from deepinfer_core.models.registry import cache_class_for, kv_cache_options, model_class_for
         from deepinfer_core.platform.registry import select_backend
         from deepinfer_core.weights.loader import load_model_weights
         from deepinfer_core.weights.resolve import resolve_model_path
@@ -81,8 +86,9 @@ class LLM:
         self.model_config = load_model_config(self.checkpoint_dir)
         self.backend = select_backend(config.accelerator)
         self.dtype = self._resolve_dtype(config.dtype)
+        kv_options = kv_cache_options(self.model_config, config.kv_cache_dtype)
         model = model_class_for(self.model_config)(self.model_config, self.backend.ops(), self.dtype,
-                                                  self.backend.device)
+                                                  self.backend.device, **kv_options)
         load_model_weights(model, self.checkpoint_dir)
         if hasattr(model, "bind_tokenizer_dir"):  # V4.1's engram layers hash the tokenizer's vocabulary
             model.bind_tokenizer_dir(self.checkpoint_dir)
@@ -99,8 +105,8 @@ class LLM:
         memory = self.backend.memory()
         num_slots = config.scheduler.max_num_seqs
         plan = plan_kv_pool(
-            bytes_per_block=cache_cls.bytes_per_block(self.model_config, block_size, self.dtype),
-            bytes_per_slot=cache_cls.bytes_per_slot(self.model_config, self.dtype),
+            bytes_per_block=cache_cls.bytes_per_block(self.model_config, block_size, self.dtype, **kv_options),
+            bytes_per_slot=cache_cls.bytes_per_slot(self.model_config, self.dtype, **kv_options),
             num_slots=num_slots,
             block_size=block_size,
             available_bytes=int(memory.memory_info().free_bytes * config.kv_cache_memory_fraction),
@@ -108,7 +114,7 @@ class LLM:
             max_useful_blocks=num_slots * -(-self.max_model_len // block_size),
         )
         cache = cache_cls(self.model_config, num_blocks=plan.num_blocks, block_size=plan.block_size,
-                          num_slots=plan.num_slots, dtype=self.dtype, allocate=memory.allocate)
+                          num_slots=plan.num_slots, dtype=self.dtype, allocate=memory.allocate, **kv_options)
         self.kv = KVCacheManager(plan)
         eos = self.model_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -116,14 +122,16 @@ class LLM:
             eos_ids.add(self.tokenizer.eos_token_id)
         return LLMEngine(
             scheduler=Scheduler(config.scheduler, self.kv),
-            runner=ModelRunner(self.model, cache, self.backend, config.scheduler.max_num_seqs),
+            runner=ModelRunner(self.model, cache, self.backend, config.scheduler.max_num_seqs,
+                               config.speculative),
             tokenizer=self.tokenizer,
             eos_token_ids=eos_ids,
             max_model_len=self.max_model_len,
             seed=config.seed,
             async_scheduling=config.scheduler.async_scheduling,
-            # n > 1 prefills the prompt once where the cache can copy a sequence's state
-            fork_prompts=callable(getattr(cache, "copy_sequence", None)),
+            # n > 1 prefills the prompt once where the cache can copy a sequence's state; with
+            # speculation each completion prefills its own, so the drafter's cache sees every row
+            fork_prompts=callable(getattr(cache, "copy_sequence", None)) and config.speculative is None,
         )
 
     def _resolve_dtype(self, name: str) -> torch.dtype:

@@ -4,7 +4,9 @@
 `launch_forward` queues the forward on the compute stream; `launch_sampling` masks grammar-
 constrained rows, queues the sampler and starts the copy of the results back to pinned host
 memory (between the two the host may advance grammar matchers with the previous step's tokens);
-`StepResult.read` waits for them. Sampled ids stay on the
+`StepResult.read` waits for them. With speculative decoding (speculation.py) the sampling step
+verifies the drafts, rolls rejected positions back and has the drafter propose the next drafts.
+Sampled ids stay on the
 device: a decode row whose input the host does not know yet (the previous step's sample) is
 filled on the device from that step's sampled tensor, so the host never waits to launch a step.
 """
@@ -21,8 +23,22 @@ from deepinfer_core.engine.grammar_bitmask import GrammarBitmask
 from deepinfer_core.engine.sampler import SamplingTensors, compute_logprobs
 from deepinfer_core.engine.scheduler import ScheduledSeq
 from deepinfer_core.engine.sequence import PENDING, Sequence
+from deepinfer_core.engine.speculation import (
+    SpeculativePlan,
+    kept_context,
+    plan_step,
+    propose_sampling,
+)
+from deepinfer_core.models.deepseek_v4.rollback import RingSnapshot, ring_tensors
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.interfaces import Backend
+from deepinfer_core.speculative import (
+    Draft,
+    MtpDrafter,
+    SpeculativeConfig,
+    Verification,
+    verify,
+)
 
 __all__ = ["ModelRunner", "PreparedStep", "LaunchedForward", "StepResult", "HostResults"]
 
@@ -43,6 +59,9 @@ class PreparedStep:
     ready: Any                                      # event: the inputs are on the device
     prepare_s: float
     constrained: bool                               # some sampling row follows a grammar
+    num_sample_rows: int                            # logits rows of the sampling sequences (1 + drafts each)
+    speculative: SpeculativePlan | None = None
+    engram_rows: dict[int, torch.Tensor] | None = None  # V4.1: engram table rows gathered in `prepare`
 
 
 @dataclass(slots=True)
@@ -51,11 +70,13 @@ class LaunchedForward:
     logits: torch.Tensor
     start_event: Any
     launch_s: float
+    streams: torch.Tensor | None = None             # speculative: the drafter's input
+    snapshot: RingSnapshot | None = None            # speculative: ring rows the verified positions overwrote
 
 
 @dataclass(slots=True)
 class HostResults:
-    sampled: list[int]
+    emitted: list[list[int]]                        # per sampling sequence, in order (one token without drafts)
     logprobs: list[float] | None
     top_logprobs: list[list[float]] | None
     top_ids: list[list[int]] | None
@@ -73,6 +94,8 @@ class StepResult:
     launch_s: float
     start_event: Any
     end_event: Any
+    num_accepted: list[int] | None = None           # speculative: drafts accepted per sampling sequence
+    drafts: list[tuple[list[int], torch.Tensor | None]] | None = None  # speculative: next drafts, probs
 
     def read(self) -> tuple[HostResults, float]:
         """Wait for the step; return its results and the seconds the host waited."""
@@ -84,8 +107,13 @@ class StepResult:
             value = self.host[name]
             return None if value is None else value.tolist()
 
+        sampled = as_list("sampled") or []
+        if self.num_accepted is None:
+            emitted = [[token] for token in sampled]
+        else:
+            emitted = [row[:accepted + 1] for row, accepted in zip(sampled, self.num_accepted)]
         return HostResults(
-            sampled=as_list("sampled") or [],
+            emitted=emitted,
             logprobs=as_list("logprobs"),
             top_logprobs=as_list("top_logprobs"),
             top_ids=as_list("top_ids"),
@@ -101,7 +129,10 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, cache: Any, backend: Backend, max_num_seqs: int) -> None:
+    def __init__(
+        self, model: Any, cache: Any, backend: Backend, max_num_seqs: int,
+        speculative: SpeculativeConfig | None = None,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.ops = backend.ops()
@@ -110,6 +141,10 @@ class ModelRunner:
         self.copy_stream = self.memory.new_stream()
         self.max_num_seqs = max_num_seqs
         self._grammar_bitmask: GrammarBitmask | None = None
+        self.speculative = speculative
+        # Raises MtpUnavailable for a checkpoint without MTP layers or rings too short for k.
+        self.drafter = None if speculative is None else MtpDrafter(model, cache, speculative)
+        self._main_rings = [] if speculative is None else ring_tensors(cache.layers[: model.config.num_hidden_layers])
 
     def prepare(self, scheduled: list[ScheduledSeq], previous: StepResult | None) -> PreparedStep:
         started = time.perf_counter()
@@ -130,7 +165,7 @@ class ModelRunner:
         forks: list[tuple[int, int, list[int], list[int]]] = []
         for item in scheduled:
             seq, first = item.seq, len(input_ids)
-            tokens = seq.token_ids[item.start:item.start + item.num_tokens]
+            tokens = seq.token_ids[item.start:item.start + item.num_tokens - len(item.draft)] + item.draft
             for offset, token in enumerate(tokens):
                 if token == PENDING:
                     # Only the newest token can be in flight, and only the last step sampled it.
@@ -139,8 +174,8 @@ class ModelRunner:
             input_ids.extend(0 if t == PENDING else t for t in tokens)
             positions.extend(range(item.start, item.start + item.num_tokens))
             query_start.append(len(input_ids))
-            if item.samples:
-                logits_rows.append(len(input_ids) - 1)
+            if item.samples:  # the last token's row, and one row per draft
+                logits_rows.extend(range(len(input_ids) - 1 - len(item.draft), len(input_ids)))
                 sampling_seqs.append(seq)
                 output_positions.append(seq.num_output_tokens - 1)
             for fork in item.forks:  # its first token comes from the same logits, with its own seed
@@ -177,6 +212,15 @@ class ModelRunner:
                     [s.params for s in sampling_seqs], [s.seed for s in sampling_seqs],
                     output_positions, self.device,
                 )
+            speculative = None
+            if self.drafter is not None:
+                speculative = plan_step(scheduled, sampling_seqs, self.model.config.vocab_size, self.device)
+            engram_rows = None
+            if not pending_rows and hasattr(self.model, "gather_engram_rows"):
+                # V4.1's engram lookup needs only the tokens: with all of them on the host it runs here,
+                # while the previous step may still be on the device. A step that feeds back the
+                # in-flight sample gathers in its forward instead.
+                engram_rows = self.model.gather_engram_rows(batch, self.cache, torch.tensor(input_ids))
             ready = self.memory.new_event()
             ready.record(self.copy_stream)
         return PreparedStep(
@@ -194,6 +238,9 @@ class ModelRunner:
             ready=ready,
             prepare_s=time.perf_counter() - started,
             constrained=any(seq.pending_grammar is not None for seq in sampling_seqs),
+            num_sample_rows=len(logits_rows),
+            speculative=speculative,
+            engram_rows=engram_rows,
         )
 
     @torch.inference_mode()
@@ -208,11 +255,17 @@ class ModelRunner:
         batch = step.batch
         if step.pending_rows is not None:
             batch.input_ids[step.pending_rows] = previous.sampled[step.pending_sources]
-        hidden = self.model.forward(batch, self.cache).hidden
+        snapshot = None
+        if step.speculative is not None:
+            verified = [1 + len(item.draft) if item.draft else 0 for item in step.scheduled]
+            snapshot = RingSnapshot.take(self._main_rings, batch.slot_ids_cpu, batch.context_lens_cpu, verified)
+        ahead = {} if step.engram_rows is None else {"engram_rows": step.engram_rows}
+        out = self.model.forward(batch, self.cache, **ahead)
         for fork in step.forks:
             self.cache.copy_sequence(*fork)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return LaunchedForward(step, logits, start_event, time.perf_counter() - started)
+        logits = self.model.compute_logits(out.hidden[batch.logits_indices])
+        return LaunchedForward(step, logits, start_event, time.perf_counter() - started,
+                               out.streams if snapshot is not None else None, snapshot)
 
     @torch.inference_mode()
     def launch_sampling(self, forward: LaunchedForward) -> StepResult:
@@ -222,10 +275,13 @@ class ModelRunner:
         step, logits, start_event = forward.step, forward.logits, forward.start_event
         compute = self.memory.current_stream()
         end_event = self.memory.new_event(True)
-        num_sampled = len(step.sampling_seqs)
+        num_sampled = step.num_sample_rows
         sample_logits, prompt_logits = logits[:num_sampled], logits[num_sampled:]
         masked_logits = sample_logits
-        if step.constrained and self._fill_grammar_bitmask(step.sampling_seqs):
+        spec = step.speculative
+        drafts = None if spec is None else [seq.draft_token_ids[:n] for seq, n in
+                                            zip(step.sampling_seqs, spec.draft_lengths)]
+        if step.constrained and self._fill_grammar_bitmask(step.sampling_seqs, drafts):
             masked_logits = sample_logits.clone()
             self._grammar_bitmask.apply(masked_logits)
 
@@ -234,42 +290,99 @@ class ModelRunner:
              "prompt_logprobs", "prompt_top_logprobs", "prompt_top_ids")
         )
         sampled = torch.empty(0, dtype=torch.int64, device=self.device)
+        verification = None
         if step.sampling is not None:
             s = step.sampling
-            if s.all_greedy:
-                sampled = masked_logits.argmax(dim=-1)
+            if spec is not None:
+                verification = verify(masked_logits, spec.draft, s, self.ops.sample)
+                sampled = verification.tokens
+                row_tokens = sampled[spec.row_seqs, spec.row_offsets].clamp(min=0)
+            elif s.all_greedy:
+                sampled = row_tokens = masked_logits.argmax(dim=-1)
             else:
-                sampled = self.ops.sample(
+                sampled = row_tokens = self.ops.sample(
                     masked_logits, s.temperature, s.seeds, s.positions, s.top_k, s.top_p, s.min_p
                 )
             host["sampled"] = sampled
             if any(seq.params.logprobs is not None for seq in step.sampling_seqs):
                 host["logprobs"], host["top_logprobs"], host["top_ids"] = compute_logprobs(
-                    sample_logits, sampled, step.num_logprobs
+                    sample_logits, row_tokens, step.num_logprobs
                 )
         if step.prompt_lp_targets is not None:
             host["prompt_logprobs"], host["prompt_top_logprobs"], host["prompt_top_ids"] = (
                 compute_logprobs(prompt_logits, step.prompt_lp_targets, step.num_prompt_logprobs)
             )
+        num_accepted, next_drafts = None, None
+        if spec is not None:
+            num_accepted, next_drafts = self._draft_next(forward, verification)
         end_event.record(compute)
         host = {name: self._to_host(value) for name, value in host.items()}
         done = self.memory.new_event()
         done.record(compute)
         launch_s = forward.launch_s + time.perf_counter() - started
-        return StepResult(step, sampled, host, done, launch_s, start_event, end_event)
+        return StepResult(step, sampled, host, done, launch_s, start_event, end_event, num_accepted, next_drafts)
 
-    def _fill_grammar_bitmask(self, seqs: list[Sequence]) -> int:
-        """Host side of the grammar masks; returns how many rows are constrained."""
+    def _draft_next(
+        self, forward: LaunchedForward, verification: Verification | None
+    ) -> tuple[list[int], list[tuple[list[int], torch.Tensor | None]]]:
+        """Roll the rejected positions back, then have the drafter see the kept rows and propose.
+        Reads the accepted counts on the host: the next step's shape depends on them."""
+        step, spec = forward.step, forward.step.speculative
+        accepted = [] if verification is None else verification.num_accepted.tolist()
+        kept, last_tokens, positions, max_drafts = [], [], [], []
+        k = self.speculative.num_draft_tokens
+        for item, row, before, next_prompt_token in zip(
+            step.scheduled, spec.sampling_index, spec.tokens_before, spec.next_prompt_token
+        ):
+            if row < 0:  # a prefill chunk that is not the prompt's last: no token, no drafts
+                kept.append(item.num_tokens)
+                last_tokens.append(next_prompt_token)
+                positions.append(0)
+                max_drafts.append(0)
+                continue
+            emitted = accepted[row] + 1
+            kept.append(item.num_tokens - len(item.draft) + accepted[row])
+            last_tokens.append(-1)
+            positions.append(before - item.seq.num_prompt_tokens + emitted)
+            max_drafts.append(max(0, min(k, item.seq.max_num_tokens - (before + emitted) - 1)))
+        restore = [1 + accepted[row] if item.draft else 0 for item, row in zip(step.scheduled, spec.sampling_index)]
+        forward.snapshot.restore(torch.tensor(restore, dtype=torch.long))
+        last = torch.tensor(last_tokens, dtype=torch.long, device=self.device)
+        if verification is not None:
+            index = torch.tensor([max(r, 0) for r in spec.sampling_index], dtype=torch.long, device=self.device)
+            final = verification.tokens[index, verification.num_accepted[index]]
+            last = torch.where(last < 0, final, last)
+        context = kept_context(step.batch, forward.streams, kept, last)
+        draft = self.drafter.propose(context, propose_sampling(step.scheduled, positions, self.device), max_drafts)
+        return accepted, self._drafts_per_sampling_seq(draft, spec.sampling_index, len(step.sampling_seqs))
+
+    @staticmethod
+    def _drafts_per_sampling_seq(
+        draft: Draft, sampling_index: list[int], num_seqs: int
+    ) -> list[tuple[list[int], torch.Tensor | None]]:
+        lengths, tokens = draft.lengths.tolist(), draft.tokens.tolist()
+        drafts: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * num_seqs
+        for item, row in enumerate(sampling_index):
+            if row >= 0:
+                n = lengths[item]
+                drafts[row] = (tokens[item][:n], None if draft.probs is None else draft.probs[item, :n])
+        return drafts
+
+    def _fill_grammar_bitmask(self, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> int:
+        """Host side of the grammar masks (with drafts: 1 + len(drafts[i]) rows for seqs[i]);
+        returns how many rows are constrained."""
         if self._grammar_bitmask is None:
+            rows_per_seq = 1 + (self.speculative.num_draft_tokens if self.speculative else 0)
             self._grammar_bitmask = GrammarBitmask(
-                self.model.config.vocab_size, self.max_num_seqs, host_buffer=self.memory.pinned_buffer
+                self.model.config.vocab_size, self.max_num_seqs * rows_per_seq,
+                host_buffer=self.memory.pinned_buffer,
             )
         matchers = []
         for seq in seqs:
             if seq.grammar is None and seq.pending_grammar is not None:
                 seq.grammar = seq.pending_grammar.new_matcher()  # waits if still compiling
             matchers.append(None if seq.is_finished else seq.grammar)
-        return self._grammar_bitmask.fill(matchers)
+        return self._grammar_bitmask.fill(matchers, drafts)
 
     def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         staging = self.memory.pinned_buffer((len(values),), dtype)

@@ -29,3 +29,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list[Logprobs | None] | None = None  # one per prompt position, the first None
     finished: bool = False
+    # Speculative decoding (None when off), summed over the request's completions: drafts the
+    # target verified, and those it accepted that became output tokens.
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None

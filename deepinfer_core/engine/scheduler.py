@@ -11,6 +11,10 @@ step that finishes the prompt also starts every fork (a copy of the prompt's cac
 first token drawn from the same logits with the fork's own seed) while slots and blocks allow;
 a fork that does not fit waits and is prefilled on its own.
 
+With speculative decoding a decode sequence holding drafts is scheduled with its last token and
+its drafts (they count against the token budget, and blocks are grown for every position);
+only the last token counts as computed, and the engine adds the accepted drafts once verified.
+
 Scheduling is optimistic: a scheduled token counts as computed at once, and a step that samples
 appends a PENDING placeholder, so the next step can be scheduled before this one's tokens are
 known (asynchronous scheduling).
@@ -35,6 +39,7 @@ class ScheduledSeq:
     num_tokens: int
     samples: bool           # the chunk reaches the sequence's last token: sample the next one
     forks: list[Sequence] = field(default_factory=list)  # siblings that copy its prompt state after the step
+    draft: list[int] = field(default_factory=list)       # drafts verified after the last token (in num_tokens)
 
 
 class Scheduler:
@@ -63,6 +68,11 @@ class Scheduler:
             if num_tokens == 0 or seq.num_tokens >= seq.max_num_tokens:
                 index += 1  # nothing new to compute, or its in-flight token is its last
                 continue
+            draft = seq.draft_token_ids[:budget - num_tokens] if seq.num_uncomputed_tokens == 1 else []
+            num_tokens += len(draft)
+            while draft and not self.kv.can_hold(seq, seq.num_computed_tokens + num_tokens):
+                draft.pop()  # verify fewer drafts before preempting anyone
+                num_tokens -= 1
             while not self.kv.can_hold(seq, seq.num_computed_tokens + num_tokens):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -71,7 +81,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            scheduled.append(self._take(seq, num_tokens, forked))
+            scheduled.append(self._take(seq, num_tokens, forked, draft))
             budget -= num_tokens
             index += 1
 
@@ -100,12 +110,15 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         self.kv.release(seq)
 
-    def _take(self, seq: Sequence, num_tokens: int, forked: list[Sequence]) -> ScheduledSeq:
+    def _take(
+        self, seq: Sequence, num_tokens: int, forked: list[Sequence], draft: list[int] | None = None
+    ) -> ScheduledSeq:
         start = seq.num_computed_tokens
+        draft = draft or []
         self.kv.grow(seq, start + num_tokens)
-        seq.num_computed_tokens += num_tokens
+        seq.num_computed_tokens += num_tokens - len(draft)
         samples = seq.num_computed_tokens == seq.num_tokens
-        item = ScheduledSeq(seq, start, num_tokens, samples)
+        item = ScheduledSeq(seq, start, num_tokens, samples, draft=draft)
         if samples:
             seq.append_pending()
             if seq.forks:
@@ -133,6 +146,7 @@ class Scheduler:
         self.kv.release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.set_draft([], None)  # re-prefilling rebuilds the drafter's caches and drafts anew
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

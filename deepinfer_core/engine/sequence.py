@@ -15,6 +15,8 @@ from deepinfer_core.engine.outputs import Logprobs
 from deepinfer_core.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from deepinfer_core.engine.grammar import GrammarMatcher, PendingGrammar
 
 __all__ = ["PENDING", "SequenceStatus", "Sequence"]
@@ -52,6 +54,10 @@ class Sequence:
     pending_grammar: PendingGrammar | None = None   # compiling; becomes `grammar` when first sampled
     grammar: GrammarMatcher | None = None
     forks: list[Sequence] = field(default_factory=list)  # n > 1: siblings that copy this prompt's state
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative: drafts to verify next step
+    draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), V]: what they were drawn from (device)
+    num_draft_tokens: int = 0        # speculative: drafts verified so far
+    num_accepted_tokens: int = 0     # speculative: of those, accepted by the target
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -92,6 +98,14 @@ class Sequence:
         """Forget tokens still in flight (the sequence finished before they were needed)."""
         del self.token_ids[self.num_tokens - self.num_pending:]
         self.num_pending = 0
+
+    def set_draft(self, token_ids: list[int], probs: torch.Tensor | None) -> None:
+        self.draft_token_ids, self.draft_probs = token_ids, probs
+
+    def append_accepted(self, token_id: int) -> None:
+        """Add a token after an accepted draft: the draft's position is already cached."""
+        self.token_ids.append(token_id)
+        self.num_computed_tokens += 1
 
     def resolve_pending(self, token_id: int) -> None:
         """Replace the oldest in-flight placeholder with the token the device sampled."""
