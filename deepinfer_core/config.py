@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deepinfer_core import envs
 from deepinfer_core.speculative.config import SpeculativeConfig
 
 __all__ = ["EngineConfig", "SchedulerConfig"]
@@ -58,6 +59,11 @@ class EngineConfig(BaseModel):
         description="KV-cache storage format: auto = the model's own (fp8/fp4 for DeepSeek-V4.1, the model "
         "dtype for V4); bf16 = the model dtype, unquantised (V4.1's debugging/parity mode); fp8_fp4 = V4.1's "
         "fp8 window and fp4 compressed KV.",
+    )
+    batch_invariant: bool = Field(
+        default_factory=envs.batch_invariant,
+        description="Bitwise-identical logits for a request whatever else is in the batch; the backend must "
+        "claim the batch_invariant capability. Default: DEEPINFER_BATCH_INVARIANT.",
     )
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = Field(

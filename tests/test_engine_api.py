@@ -168,3 +168,23 @@ def test_diagnostics_are_recorded(llm: LLM) -> None:
     assert len(llm.engine.stats.steps) > steps_before
     assert summary["decode_tokens"] > 0 and summary["prefill_tokens"] > 0
     assert summary["device_ms_per_step"] > 0 and summary["host_ms_per_step"] > 0
+
+
+def test_batch_invariant_mode_needs_a_backend_that_claims_it(tiny_checkpoint: Path, monkeypatch) -> None:
+    from deepinfer_core.platform.errors import CapabilityUnavailable
+
+    with pytest.raises(CapabilityUnavailable, match="backend 'cpu' does not claim them"):
+        LLM(str(tiny_checkpoint), accelerator="cpu", num_kv_blocks=64, batch_invariant=True)
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    with pytest.raises(CapabilityUnavailable, match="DEEPINFER_BATCH_INVARIANT"):
+        LLM(str(tiny_checkpoint), accelerator="cpu", num_kv_blocks=64)
+
+
+def test_seeded_sampling_needs_deterministic_sampling(llm: LLM, monkeypatch) -> None:
+    from dataclasses import replace
+
+    monkeypatch.setattr(llm, "capabilities", replace(llm.capabilities, deterministic_sampling=False))
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=2)
+    with pytest.raises(InvalidRequestError, match="request 1: a seed promises reproducible sampling"):
+        llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8]}], [greedy(max_tokens=2), seeded])
+    assert len(llm.generate([{"prompt_token_ids": [5, 6]}], greedy(max_tokens=2))[0].outputs[0].token_ids) == 2

@@ -22,6 +22,7 @@ from deepinfer_core.engine.outputs import RequestOutput
 from deepinfer_core.engine.sampling_params import SamplingParams
 from deepinfer_core.engine.scheduler import Scheduler
 from deepinfer_core.engine.structured import InvalidGrammarError
+from deepinfer_core.platform.errors import CapabilityUnavailable
 from deepinfer_core.speculative.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ class LLM:
         max_model_len: int | None = None,
         kv_cache_dtype: str = "auto",
         speculative: SpeculativeConfig | None = None,
+        batch_invariant: bool | None = None,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -71,6 +73,7 @@ class LLM:
                 async_scheduling=async_scheduling,
             ),
             speculative=speculative,
+            **({} if batch_invariant is None else {"batch_invariant": batch_invariant}),
         )
         self._grammar_compiler: GrammarCompiler | None = None
         self.engine = self._build_engine(self.config)
@@ -85,6 +88,13 @@ class LLM:
         self.checkpoint_dir = resolve_model_path(config.model)
         self.model_config = load_model_config(self.checkpoint_dir)
         self.backend = select_backend(config.accelerator)
+        self.capabilities = self.backend.capabilities()
+        if config.batch_invariant and not self.capabilities.batch_invariant:
+            raise CapabilityUnavailable(
+                f"batch_invariant=True (or DEEPINFER_BATCH_INVARIANT=1) needs batch-invariant kernels, and "
+                f"backend '{self.backend.name}' does not claim them (`deepinfer backends` lists each backend's "
+                "capabilities); turn the mode off"
+            )
         self.dtype = self._resolve_dtype(config.dtype)
         kv_options = kv_cache_options(self.model_config, config.kv_cache_dtype)
         model = model_class_for(self.model_config)(self.model_config, self.backend.ops(), self.dtype,
@@ -226,6 +236,9 @@ class LLM:
                 raise fail(f"SamplingParams.{name}={getattr(params, name)} exceeds the vocabulary ({vocab})")
         if any(t >= vocab for t in params.stop_token_ids):
             raise fail(f"stop_token_ids {params.stop_token_ids} reach outside the vocabulary [0, {vocab})")
+        if params.seed is not None and params.temperature > 0 and not self.capabilities.deterministic_sampling:
+            raise fail(f"a seed promises reproducible sampling, which backend '{self.backend.name}' does not "
+                       "claim (deterministic_sampling=False); drop the seed or use a backend that claims it")
         grammar = None
         if params.structured_output is not None:
             if self.tokenizer is None:

@@ -32,5 +32,9 @@ class InvalidBackendPlugin(BackendError):
     """A `deepinfer.backends` entry point cannot be loaded or returned a malformed record."""
 
 
+class CapabilityUnavailable(BackendError):
+    """A feature was asked for that the selected backend's `capabilities()` does not claim."""
+
+
 class GraphCaptureUnsupported(BackendError):
     """Graph capture was requested from a memory manager whose device has no graphs."""
