@@ -7,9 +7,13 @@ timed one step at a time. Printed per row: step ms, steps/s, tokens/s per GPU an
 step must read (weights touched + KV) and the bandwidth floor (bytes / measured copy bandwidth), step
 time / floor, model FLOPs per token, transformers' step time and the ratio.
 Written to $OUT (or --out): decode.json, decode.txt, decode.png.
+With --speculative, instead: speculative decoding (oracle drafts of chosen acceptance, real MTP draft
+cost) against plain decoding, written to spec_decode.{txt,json,png} (see bench_speculative.py).
 
 GPU:  python3 scripts/bench_decode.py
 CPU:  python3 scripts/bench_decode.py --tiny
+GPU:  python3 scripts/bench_decode.py --speculative --batches 1,16,64 --contexts 4096
+CPU:  python3 scripts/bench_decode.py --speculative --tiny
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from bench_model import (  # noqa: E402
     kv_bytes_per_sequence, random_cache, setup, step_batch, weight_bytes, weight_flops_per_token,
 )
 from bench_prefill import _free, _ints  # noqa: E402
+from bench_speculative import run_speculative  # noqa: E402
 from kernel_bench_common import measure_ceilings, time_ms  # noqa: E402
 
 
@@ -46,7 +51,24 @@ def main() -> None:
     parser.add_argument("--hf-steps", type=int, default=8, help="decode steps timed on transformers")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    parser.add_argument("--speculative", action="store_true", help="speculative vs plain decoding (first --contexts, first --weights)")
+    parser.add_argument("--k", type=int, default=3, help="--speculative: drafts verified per step")
+    parser.add_argument("--acceptance", type=_floats, default=[0.0, 0.5, 0.8, 1.0], help="--speculative: oracle's per-draft acceptance")
+    parser.add_argument("--spec-steps", type=int, default=None, help="--speculative: verification steps per run (default 16, tiny 5)")
+    parser.add_argument("--spec-min-samples", type=int, default=None,
+                        help="--speculative: more steps at small batches, until batch x steps >= this (default 128, tiny 0)")
+    parser.add_argument("--rep-ms", type=int, default=50, help="--speculative: do_bench repetition time per measurement")
     args = parser.parse_args()
+    if args.speculative:
+        device, ops = setup(args.tiny)
+        run_speculative(
+            args.tiny, args.weights.split(",")[0], args.batches or ([1, 3] if args.tiny else [1, 16, 64]),
+            (args.contexts or ([20] if args.tiny else [4096]))[0], args.k, args.acceptance,
+            args.spec_steps or (5 if args.tiny else 16),
+            args.spec_min_samples if args.spec_min_samples is not None else (0 if args.tiny else 128),
+            args.rep_ms, device, ops, Path(args.out),
+        )
+        return
     batches = args.batches or ([1, 3] if args.tiny else [1, 16, 64, 256])
     contexts = args.contexts or ([20] if args.tiny else [256, 4096])
     hf_context = args.hf_context or (20 if args.tiny else 256)
@@ -68,6 +90,10 @@ def main() -> None:
             traceback.print_exc()
             rows.append({"impl": "transformers", "weights": "bf16", "error": f"{type(err).__name__}: {err}"})
     _report(rows, ceilings, Path(args.out))
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",")]
 
 
 def _deepinfer_rows(tiny, weights, batches, contexts, device, ops, ceilings):

@@ -83,9 +83,11 @@ def use_ops(model: torch.nn.Module, ops: KernelOps) -> None:
             module.ops = ops
 
 
-def build_deepinfer(raw: dict[str, Any], ops: KernelOps, device: torch.device, seed: int = 0) -> BenchModel:
+def build_deepinfer(
+    raw: dict[str, Any], ops: KernelOps, device: torch.device, seed: int = 0, dtype: torch.dtype = torch.bfloat16
+) -> BenchModel:
     config = load_model_config(raw)
-    model = DeepseekV4ForCausalLM(config, ops, torch.bfloat16, device)
+    model = DeepseekV4ForCausalLM(config, ops, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, tensor in model.state_dict().items():
         _randomise(name, tensor, config, gen)
@@ -149,12 +151,14 @@ def step_batch(query_lens: list[int], context_lens: list[int], block_size: int, 
     )
 
 
-def random_cache(config: DeepseekV4Config, batch: ForwardBatch, block_size: int, device: torch.device) -> DeepseekV4Cache:
+def random_cache(
+    config: DeepseekV4Config, batch: ForwardBatch, block_size: int, device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> DeepseekV4Cache:
     """A cache holding random state for every position < context_len (as after a prefill)."""
     blocks = sum(sum(1 for b in table if b >= 0) for table in batch.block_tables_cpu)
     gen = torch.Generator(device=device).manual_seed(99)
     return DeepseekV4Cache(
-        config, num_blocks=blocks, block_size=block_size, num_slots=batch.num_seqs, dtype=torch.bfloat16,
+        config, num_blocks=blocks, block_size=block_size, num_slots=batch.num_seqs, dtype=dtype,
         allocate=lambda shape, dt: torch.randn(shape, device=device, generator=gen).to(dt),
     )
 
