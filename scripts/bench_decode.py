@@ -37,7 +37,7 @@ from bench_model import (  # noqa: E402
 )
 from bench_prefill import _free, _ints  # noqa: E402
 from bench_speculative import run_speculative  # noqa: E402
-from kernel_bench_common import measure_ceilings, time_ms  # noqa: E402
+from kernel_bench_common import measure_ceilings, new_plot, save_plot, time_ms  # noqa: E402
 
 
 def main() -> None:
@@ -198,15 +198,10 @@ def _report(rows, ceilings, out: Path) -> None:
 
 
 def _plot(rows, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plot = new_plot()
+    if plot is None:
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plot
     for key in sorted({(r["impl"], r["weights"], r.get("context", 0)) for r in rows}):
         pts = sorted((r["batch"], r["ms"]) for r in rows if (r["impl"], r["weights"], r.get("context", 0)) == key and "ms" in r)
         if pts:
@@ -220,8 +215,7 @@ def _plot(rows, path: Path) -> None:
     ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_plot(fig, path)
 
 
 if __name__ == "__main__":

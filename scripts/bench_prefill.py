@@ -29,7 +29,7 @@ from bench_model import (  # noqa: E402
     attention_flops, build_deepinfer, build_transformers, flash_slice_raw, random_cache, setup, step_batch, use_ops,
     weight_flops_per_token,
 )
-from kernel_bench_common import measure_ceilings, time_ms  # noqa: E402
+from kernel_bench_common import measure_ceilings, new_plot, save_plot, time_ms  # noqa: E402
 
 
 def _ints(text: str) -> list[int]:
@@ -164,15 +164,10 @@ def _report(rows, ceilings, out: Path) -> None:
 
 
 def _plot(rows, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plot = new_plot()
+    if plot is None:
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plot
     for key in sorted({(r["impl"], r["weights"]) for r in rows}):
         pts = sorted((r["ms"], r["tokens_per_s"], r["tokens"]) for r in rows if (r["impl"], r["weights"]) == key and "ms" in r)
         if pts:
@@ -184,8 +179,7 @@ def _plot(rows, path: Path) -> None:
     ax.set_xscale("log")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_plot(fig, path)
 
 
 if __name__ == "__main__":

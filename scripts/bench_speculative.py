@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from bench_model import build_deepinfer, flash_slice_raw, random_cache, step_batch
-from kernel_bench_common import time_ms
+from kernel_bench_common import new_plot, save_plot, time_ms
 
 from deepinfer_core.engine.sampler import SamplingTensors
 from deepinfer_core.models.forward_batch import ForwardBatch
@@ -254,15 +254,10 @@ def _report(rows, weights, context, out: Path) -> None:
 
 
 def _plot(rows, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plot = new_plot()
+    if plot is None:
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plot
     for size in sorted({r["batch"] for r in rows}):
         pts = sorted((r["a"], r["speedup_oracle"], r["speedup_mtp"]) for r in rows if r["batch"] == size and "speedup_oracle" in r)
         if pts:
@@ -275,5 +270,4 @@ def _plot(rows, path: Path) -> None:
     ax.set_ylabel("speedup in emitted tokens/s vs plain decode")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_plot(fig, path)

@@ -69,3 +69,21 @@ def poison_allocator(device: torch.device, nbytes: int) -> None:
     block = torch.empty(nbytes, dtype=torch.uint8, device=device)
     block.fill_(0xFF)
     del block
+
+
+def new_plot():
+    """(figure, axes) for a benchmark PNG, or None where matplotlib is missing (tables still get written)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return None
+    return plt.subplots(figsize=(7, 4.5))
+
+
+def save_plot(fig, path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
