@@ -82,3 +82,23 @@ def test_sparse_attention_matches_reference(dtype, layer, step):
     args = (q, kv, window, sinks, dim**-0.5, batch)
     out = sparse_attention(*args, **kwargs)
     assert_matches(out, KernelOps().sparse_attention(*args, **kwargs), TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_sparse_attention_honours_window_starts(batch_invariant):
+    """Bounded prefix replay: no window KV below each sequence's start, even where the ring has rows."""
+    from dataclasses import replace
+
+    gen = torch.Generator().manual_seed(21)
+    batch = _batch([5, 1, 3], [9, 12, 6], gen)
+    batch = replace(batch, window_starts_cpu=[7, 12, 0])  # mid-window, at the step's first row, none
+    heads, dim = 4, 32
+    q = torch.randn(batch.num_tokens, heads, dim, generator=gen)
+    kv = torch.randn(batch.num_tokens, dim, generator=gen)
+    window = torch.randn(NUM_SLOTS, RING, dim, generator=gen)
+    sinks = torch.randn(heads, generator=gen)
+    args = (q, kv, window, sinks, dim**-0.5, batch)
+    out = sparse_attention(*args, batch_invariant=batch_invariant)
+    expected = KernelOps().sparse_attention(*args)
+    assert_matches(out, expected, TOLERANCE[torch.float32])
+    assert not torch.allclose(expected, KernelOps().sparse_attention(*args[:5], replace(batch, window_starts_cpu=None)))

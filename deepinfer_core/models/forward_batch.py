@@ -9,6 +9,9 @@ Layout of one step with S sequences and T = sum(query_lens) tokens:
 - slot_ids[i] names the sequence's fixed-size state (sliding windows, open compression windows);
 - block_tables[i] lists the cache blocks (block_size tokens each) that hold its growing state
   (compressed entries, indexer keys), padded with -1.
+- window_starts_cpu / reused_lens_cpu (optional, bounded prefix replay): a sequence that recomputes the
+  tail of a reused prefix attends no window KV below window_starts[i] and leaves the cached compressed
+  entries and indexer keys of positions below reused_lens[i] as they are.
 
 Device tensors feed the kernels; the `_cpu` lists are the same numbers on the host, for ops that
 plan on the host (the reference ops loop over sequences) without a device sync.
@@ -36,6 +39,9 @@ class ForwardBatch:
     context_lens_cpu: list[int]
     slot_ids_cpu: list[int]
     block_tables_cpu: list[list[int]]
+    # Prefix reuse with bounded replay (engine/prefix_cache.py), per sequence; None = all zeros:
+    window_starts_cpu: list[int] | None = None  # no window KV exists below this position (ring rows ignored)
+    reused_lens_cpu: list[int] | None = None    # compressed entries of positions below this are cached: keep them
 
     @property
     def num_seqs(self) -> int:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_core.platform.row_tiles import in_row_tiles, row_tiled
 
 __all__ = ["KernelOps", "MlpWeights"]
 
@@ -38,8 +40,19 @@ class MlpWeights:
 
 
 class KernelOps:
-    """Reference ops in plain torch. Subclass and override to accelerate."""
+    """Reference ops in plain torch. Subclass and override to accelerate.
 
+    `batch_invariant`: the engine sets it on the ops object it builds the model with
+    (`LLM(batch_invariant=True)`). Every op then computes each row exactly as it would alone: per-row
+    ops run on tiles of `row_tile` rows (`row_tiles.py`), attention and the indexer walk each query's
+    keys in position order. Results stay within each op's tolerance of the default mode. A backend
+    claiming the `batch_invariant` capability honours the flag in its overrides as well.
+    """
+
+    batch_invariant: bool = False
+    row_tile: int = 16
+
+    @row_tiled("x")
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim.
 
@@ -53,6 +66,7 @@ class KernelOps:
             y = y * weight.float()
         return y.to(x.dtype)
 
+    @row_tiled("x")
     def linear(
         self,
         x: torch.Tensor,
@@ -70,6 +84,7 @@ class KernelOps:
         """
         return torch.nn.functional.linear(x, _dequantized(weight, scale, block, x.dtype))
 
+    @row_tiled("x")
     def grouped_linear(
         self,
         x: torch.Tensor,
@@ -90,6 +105,7 @@ class KernelOps:
         """Rows of `weight` [V, D] for int64 `ids` [T]; returns [T, D] in weight.dtype. Exact."""
         return torch.nn.functional.embedding(ids, weight)
 
+    @row_tiled("x", "positions")
     def rope(
         self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
     ) -> torch.Tensor:
@@ -114,6 +130,7 @@ class KernelOps:
         rotated = (rot * cos + swapped * sin).to(x.dtype)
         return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
 
+    @row_tiled("streams")
     def hc_pre(
         self,
         streams: torch.Tensor,
@@ -137,6 +154,7 @@ class KernelOps:
         pre, post, comb = self.hc_mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
         return self.hc_collapse(streams, pre), post, comb
 
+    @row_tiled("block_out", "streams", "post", "comb")
     def hc_post(
         self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor:
@@ -150,6 +168,7 @@ class KernelOps:
         mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
         return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
 
+    @row_tiled("streams")
     def hc_head(
         self,
         streams: torch.Tensor,
@@ -213,7 +232,9 @@ class KernelOps:
                 seq_kv = torch.cat([state_kv[slot, cached], kv[start:start + q]])
                 seq_gate = torch.cat([state_gate[slot, cached], gate[start:start + q]])
                 windows = torch.arange(first, last, device=kv.device)
-                pooled = _pool_windows(seq_kv, seq_gate, ape, windows, lo, ratio, overlap, width)
+                pool = partial(_pool_windows, seq_kv, seq_gate, ape, first_pos=lo, ratio=ratio, overlap=overlap,
+                               width=width)
+                pooled = in_row_tiles(pool, [windows], self.row_tile) if self.batch_invariant else pool(windows)
                 pooled = self.rms_norm(pooled, norm_weight, norm_eps)
                 pooled = self.rope(pooled, windows * ratio, inv_freq)
                 table = batch.block_tables[i].to(torch.long)
@@ -242,6 +263,9 @@ class KernelOps:
         Exact on the returned set whenever scores do not tie at the boundary.
         """
         out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
+        if self.batch_invariant:
+            _indexer_topk_per_query(out, q, head_weights, index_keys, ratio, batch)
+            return out
         for i, (start, n_q, ctx) in enumerate(_sequences(batch)):
             n_entries = (ctx + n_q) // ratio
             if n_entries == 0:
@@ -277,15 +301,19 @@ class KernelOps:
         position t sees: kv of positions s with t-W < s <= t (ring, then this step's rows), and, when
         `entries` [num_blocks, block_size // ratio, d] is given, the compressed entries w < (t+1)//ratio
         (all of them if `selected` is None, else only those listed in `selected` [T, k], -1 = none).
+        Window positions below `batch.window_starts_cpu[i]` (when given) are not seen.
         logits = (q . k) * scale, plus a sink logit sinks[h] (float32, unscaled) whose probability is
         dropped; softmax in float32; probabilities cast to kv.dtype for the value sum.
         Returns [T, H, d] in q.dtype. Tolerance: float32 1e-5, bfloat16 2e-2 relative.
         """
         out = torch.empty_like(q)
+        if self.batch_invariant:
+            _sparse_attention_per_query(out, q, kv, window, sinks, scale, batch, entries, ratio, selected)
+            return out
         ring = window.shape[1]
         for i, (start, n_q, ctx) in enumerate(_sequences(batch)):
             slot, rows = batch.slot_ids_cpu[i], slice(start, start + n_q)
-            key_pos = torch.arange(max(0, ctx - ring + 1), ctx + n_q, device=q.device)
+            key_pos = torch.arange(max(0, ctx - ring + 1, _window_start(batch, i)), ctx + n_q, device=q.device)
             keys = torch.cat([window[slot, key_pos[key_pos < ctx] % ring].to(kv.dtype), kv[rows]])
             pos = batch.positions[rows]
             mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - ring)
@@ -319,6 +347,7 @@ class KernelOps:
             keep = torch.arange(max(ctx, ctx + n_q - ring), ctx + n_q, device=kv.device)
             window[batch.slot_ids_cpu[i], keep % ring] = kv[start + keep - ctx].to(window.dtype)
 
+    @row_tiled("x", "input_ids")
     def route(
         self,
         x: torch.Tensor,
@@ -355,6 +384,7 @@ class KernelOps:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * routed_scaling_factor, ids
 
+    @row_tiled("x", "weights", "ids")
     def fused_moe(
         self,
         x: torch.Tensor,
@@ -389,6 +419,7 @@ class KernelOps:
         up = self.linear(x, mlp.w3, mlp.w3_scale, mlp.block).clamp(min=-limit, max=limit)
         return self.linear(torch.nn.functional.silu(gate) * up, mlp.w2, mlp.w2_scale, mlp.block)
 
+    @row_tiled("logits", "temperature", "seeds", "positions", "top_k", "top_p", "min_p")
     def sample(
         self,
         logits: torch.Tensor,
@@ -418,6 +449,7 @@ class KernelOps:
 
     # --- DeepSeek-V4.1 (MODEL_SPEC_V41) -------------------------------------------------------------
 
+    @row_tiled("streams")
     def hc_mix(
         self,
         streams: torch.Tensor,
@@ -449,6 +481,7 @@ class KernelOps:
             comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
         return pre, post, comb
 
+    @row_tiled("streams", "pre")
     def hc_collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """sum_i pre[t, i] * streams[t, i] in float32, cast to streams.dtype.
 
@@ -456,6 +489,7 @@ class KernelOps:
         """
         return (pre.float().unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
 
+    @row_tiled("block_out", "streams", "post", "comb")
     def hc_expand(
         self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor:
@@ -467,6 +501,7 @@ class KernelOps:
         mixed = torch.matmul(comb.float().transpose(-1, -2), streams.float())
         return (post.float().unsqueeze(-1) * block_out.float().unsqueeze(-2) + mixed).to(streams.dtype)
 
+    @row_tiled("x")
     def route_fp32(
         self,
         x: torch.Tensor,
@@ -492,6 +527,7 @@ class KernelOps:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * routed_scaling_factor, ids
 
+    @row_tiled("x", "weights", "ids")
     def fused_moe_prescaled(
         self,
         x: torch.Tensor,
@@ -530,6 +566,7 @@ class KernelOps:
             act = act * weight
         return self.linear(act.to(x.dtype), mlp.w2, mlp.w2_scale, mlp.block)
 
+    @row_tiled("kv", "gate")
     def gated_pool(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """Per-channel softmax pooling of non-overlapping groups (the V4.1 compressor, ratio > 1).
 
@@ -545,10 +582,19 @@ class KernelOps:
         I[s, w] = sum_h head_weights[s, h] * Hi^-0.5 * ReLU(q[s, h] . keys[w]) * di^-0.5. Returns [S, N]
         float32. Tolerance: float32 1e-5 relative (the caller's top-k is tie-sensitive).
         """
-        scores = torch.relu(torch.einsum("shd,nd->shn", q.float(), keys.float())) * q.shape[-1] ** -0.5
+        if self.batch_invariant:
+            # Keys broadcast per row and reduced over d: a row's dot products do not depend on S or N.
+            def dots(rows: torch.Tensor) -> torch.Tensor:
+                return (rows.float().unsqueeze(2) * keys.float()).sum(-1)
+
+            products = in_row_tiles(dots, [q], self.row_tile)
+        else:
+            products = torch.einsum("shd,nd->shn", q.float(), keys.float())
+        scores = torch.relu(products) * q.shape[-1] ** -0.5
         weights = head_weights.float() * q.shape[1] ** -0.5
         return (scores * weights.unsqueeze(-1)).sum(dim=1)
 
+    @row_tiled("streams", "key", "value")
     def engram_gate(
         self, streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
@@ -646,11 +692,79 @@ def _sequences(batch: ForwardBatch) -> Iterator[tuple[int, int, int]]:
         start += n_q
 
 
+def _window_start(batch: ForwardBatch, i: int) -> int:
+    """First position of sequence i with window KV (bounded prefix replay drops the ones below)."""
+    return 0 if batch.window_starts_cpu is None else batch.window_starts_cpu[i]
+
+
 def _gather_entries(paged: torch.Tensor, block_table: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
     """Entries 0..n_entries-1 of one sequence from a paged [num_blocks, block_size // ratio, c] pool."""
     per_block = paged.shape[1]
     w = torch.arange(n_entries, device=paged.device)
     return paged[block_table.to(torch.long)[w // per_block], w % per_block]
+
+
+def _sparse_attention_per_query(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    window: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    batch: ForwardBatch,
+    entries: torch.Tensor | None,
+    ratio: int,
+    selected: torch.Tensor | None,
+) -> None:
+    """Batch-invariant `sparse_attention`: each query alone, over exactly the keys it sees in position
+    order (window, then its visible entries), so neither the batch nor the chunking changes a shape."""
+    ring = window.shape[1]
+    for i, (start, n_q, ctx) in enumerate(_sequences(batch)):
+        slot = batch.slot_ids_cpu[i]
+        for row, pos in zip(range(start, start + n_q), batch.positions[start:start + n_q].tolist()):
+            first = max(0, pos - ring + 1, _window_start(batch, i))
+            ring_pos = torch.arange(first, max(first, min(ctx, pos + 1)), device=q.device)
+            cached = window[slot, ring_pos % ring].to(kv.dtype)
+            keys = torch.cat([cached, kv[start + max(first, ctx) - ctx:row + 1]])
+            allowed = torch.ones(keys.shape[0], dtype=torch.bool, device=q.device)
+            n_visible = min((pos + 1) // ratio, (ctx + n_q) // ratio) if entries is not None else 0
+            if n_visible > 0:
+                keys = torch.cat([keys, _gather_entries(entries, batch.block_tables[i], n_visible, ratio).to(kv.dtype)])
+                chosen = torch.ones(n_visible, dtype=torch.bool, device=q.device)
+                if selected is not None:
+                    chosen = torch.zeros(n_visible + 1, dtype=torch.bool, device=q.device)
+                    chosen.scatter_(0, selected[row].clamp(min=-1).clamp(max=n_visible) % (n_visible + 1), True)
+                    chosen = chosen[:n_visible]
+                allowed = torch.cat([allowed, chosen])
+            logits = (torch.matmul(q[row], keys.transpose(0, 1)) * scale).float()
+            logits = logits.masked_fill(~allowed, float("-inf"))
+            logits = torch.cat([logits, sinks.float().view(-1, 1)], dim=-1)
+            probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[:, :-1].to(kv.dtype)
+            out[row] = torch.matmul(probs, keys).to(q.dtype)
+
+
+def _indexer_topk_per_query(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    index_keys: torch.Tensor,
+    ratio: int,
+    batch: ForwardBatch,
+) -> None:
+    """Batch-invariant `indexer_topk`: each query scores exactly its visible entries (a shape fixed by
+    its position); the stable sort breaks ties by the lowest entry index."""
+    topk = out.shape[1]
+    for i, (start, n_q, ctx) in enumerate(_sequences(batch)):
+        for row, pos in zip(range(start, start + n_q), batch.positions[start:start + n_q].tolist()):
+            n_visible = min((pos + 1) // ratio, (ctx + n_q) // ratio)
+            if n_visible == 0:
+                continue
+            keys = _gather_entries(index_keys, batch.block_tables[i], n_visible, ratio).float()
+            scores = torch.relu(torch.matmul(q[row].float(), keys.transpose(0, 1))) * q.shape[-1] ** -0.5
+            weights = head_weights[row].float() * q.shape[1] ** -0.5
+            scores = (scores * weights.unsqueeze(-1)).sum(dim=0)
+            order = torch.sort(scores, descending=True, stable=True).indices[:topk]
+            out[row, : order.shape[0]] = order
 
 
 def _visible_entries(positions: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:

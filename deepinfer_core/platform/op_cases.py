@@ -9,7 +9,7 @@ Add a case here whenever an op is added to `KernelOps`: a test fails for any op 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -145,6 +145,15 @@ def _attention_inputs(gen, dt, ratio, with_selection):
     return args, kwargs
 
 
+def _bounded_replay_attention_inputs(gen, dt):
+    """The HCA case with window KV missing below a start inside each sequence's window (bounded prefix
+    replay, `ForwardBatch.window_starts_cpu`): those ring rows hold garbage the op must not read."""
+    args, kwargs = _attention_inputs(gen, dt, 8, False)
+    batch = args[5]
+    starts = [max(0, c - 3) for c in batch.context_lens_cpu]
+    return (*args[:5], replace(batch, window_starts_cpu=starts)), kwargs
+
+
 def _store_window_inputs(gen, dt):
     batch = _step_batch(gen, _QUERY_LENS, _CONTEXT_LENS, 6, blocks_per_seq=4, num_blocks=24)
     return (_randn(gen, batch.num_tokens, 32, dtype=dt), _randn(gen, 6, 8, 32, dtype=dt), batch), {}
@@ -273,6 +282,8 @@ OP_CASES: list[OpCase] = [
         "sparse_attention", "csa_selected",
         lambda g, dt: _attention_inputs(g, dt, 4, True), rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
     ),
+    OpCase("sparse_attention", "bounded_replay_window_starts", _bounded_replay_attention_inputs,
+           rtol=_WIDE_RTOL, atol=_WIDE_ATOL),
     OpCase("store_window", "mixed_step", _store_window_inputs),
     OpCase(
         "route", "score", lambda g, dt: _route_inputs(g, dt, False),

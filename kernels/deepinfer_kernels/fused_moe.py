@@ -19,7 +19,7 @@ import triton.language as tl
 
 from deepinfer_kernels.weight_tiles import as_kernel_weight, e8m0_to_float, load_weight_tile, weight_format
 
-__all__ = ["StackedExperts", "moe_routed"]
+__all__ = ["StackedExperts", "moe_routed", "tile_config"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +69,8 @@ def _gate_up_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :],
                     mask=(entry[:, None] >= 0) & (offs_k[None, :] < K), other=0.0)
-        g_tile = load_weight_tile(w1, s1, offs_n, offs_k, N, K, stride_wn, stride_sn, FORMAT, compute)
-        u_tile = load_weight_tile(w3, s3, offs_n, offs_k, N, K, stride_wn, stride_sn, FORMAT, compute)
+        g_tile = load_weight_tile(w1, s1, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K)
+        u_tile = load_weight_tile(w3, s3, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K)
         if IEEE:
             g_part = tl.dot(x, tl.trans(g_tile), input_precision="ieee")
             u_part = tl.dot(x, tl.trans(u_tile), input_precision="ieee")
@@ -115,7 +115,7 @@ def _down_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :],
                     mask=offs_k[None, :] < K, other=0.0)
-        w = load_weight_tile(w2, s2, offs_n, offs_k, N, K, stride_wn, stride_sn, FORMAT, compute)
+        w = load_weight_tile(w2, s2, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K)
         if IEEE:
             part = tl.dot(a, tl.trans(w), input_precision="ieee")
         else:
@@ -128,6 +128,20 @@ def _down_kernel(
     y = acc.to(compute).to(tl.float32) * route_w[:, None]
     tl.store(y_ptr + tl.where(valid, entry, 0).to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
              y.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+def tile_config(pairs: int, fmt: int, batch_invariant: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of both launches for `pairs` (token, expert) pairs.
+
+    From `scripts/tune_moe_tiles.py` on an H200 (BENCHMARKS.md): tall tiles once experts get hundreds
+    of rows each, 16-row tiles while most experts get a few. Batch-invariant mode takes one
+    configuration whatever the batch (a tile shape can change the MMA instructions, hence the order).
+    """
+    if batch_invariant:
+        return (64, 64, 128, 4, 3) if fmt == 1 else (64, 64, 64, 4, 3)
+    if pairs >= 8192:
+        return {0: (128, 128, 64, 8, 3), 1: (128, 128, 128, 8, 3), 2: (128, 64, 64, 8, 3)}[fmt]
+    return (16, 64, 128, 4, 3)
 
 
 def _plan(ids: torch.Tensor, local_ids: torch.Tensor, num_held: int, block_m: int):
@@ -164,14 +178,17 @@ def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch
 
 
 def moe_routed(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: StackedExperts, swiglu_limit: float
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: StackedExperts, swiglu_limit: float,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """sum_k weights[t, k] * mlp_{ids[t, k]}(x[t]) in float32 [T, D]; experts not held add nothing."""
+    """sum_k weights[t, k] * mlp_{ids[t, k]}(x[t]) in float32 [T, D]; experts not held add nothing.
+
+    batch_invariant: one row-block size for every batch, and the k routed outputs summed in slot order.
+    """
     tokens, top_k = ids.shape
     hidden, inter = x.shape[1], experts.w1.shape[1]
     fmt = weight_format(experts.w1)
-    block_m = 16 if tokens * top_k <= 256 else 64
-    block_n, block_k = (64, 128) if fmt == 1 else (64, 64)
+    block_m, block_n, block_k, warps, stages = tile_config(tokens * top_k, fmt, batch_invariant)
     if fmt == 1:
         block_n, block_k = min(block_n, experts.block[0]), min(block_k, experts.block[1])
     scale_bn, scale_bk = experts.block if fmt == 1 else (1, 1)
@@ -184,13 +201,12 @@ def moe_routed(
     s1, se, sn = _scale_args(experts.w1_scale, w1)
     s3, _, _ = _scale_args(experts.w3_scale, w3)
     act = torch.empty((row_entry.shape[0], inter), dtype=x.dtype, device=x.device)
-    warps = 4
     _gate_up_kernel[(block_expert.shape[0], triton.cdiv(inter, block_n))](
         x, w1, w3, s1, s3, act, row_entry, block_expert,
         inter, hidden, top_k, experts.num_held, swiglu_limit,
         x.stride(0), w1.stride(0), w1.stride(1), se, sn, act.stride(0),
         FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=warps, num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=warps, num_stages=stages,
     )
     held_all = bool(experts.num_held == experts.local_ids.shape[0])
     alloc = torch.empty if held_all else torch.zeros
@@ -201,6 +217,12 @@ def moe_routed(
         hidden, inter, experts.num_held,
         act.stride(0), w2.stride(0), w2.stride(1), se2, sn2, y.stride(0),
         FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=warps, num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=warps, num_stages=stages,
     )
-    return y.view(tokens, top_k, hidden).float().sum(dim=1)
+    routed = y.view(tokens, top_k, hidden).float()
+    if not batch_invariant:
+        return routed.sum(dim=1)
+    total = routed[:, 0].clone()
+    for slot in range(1, top_k):
+        total += routed[:, slot]
+    return total

@@ -14,7 +14,11 @@ import triton.language as tl
 
 from deepinfer_kernels.weight_tiles import as_kernel_weight, e8m0_to_float, load_weight_tile, weight_format
 
-__all__ = ["linear", "linear_supported", "tile_config"]
+__all__ = ["BATCH_INVARIANT_ROWS", "linear", "linear_supported", "tile_config"]
+
+# Batch-invariant mode sizes every launch's tiles as for this many rows, whatever the row count: a
+# row's K loop and MMA shapes are then the same in any batch (no config keyed on M, no split-K).
+BATCH_INVARIANT_ROWS = 64
 
 
 @triton.jit
@@ -36,7 +40,7 @@ def _linear_kernel(
             x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
             mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0,
         )
-        w = load_weight_tile(w_ptr, s_ptr, offs_n, offs_k, N, K, stride_wn, stride_sn, FORMAT, compute)
+        w = load_weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K)
         if IEEE:
             part = tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
@@ -72,7 +76,8 @@ def linear_supported(weight: torch.Tensor, block: tuple[int, int] | None) -> boo
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     k = x.shape[-1]
     rows = x.reshape(-1, k)
@@ -83,7 +88,8 @@ def linear(
     if fmt == 0 and w.dtype != x.dtype:
         w = w.to(x.dtype)
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k, warps, stages = tile_config(rows.shape[0], fmt, block)
+    tiled_rows = BATCH_INVARIANT_ROWS if batch_invariant else rows.shape[0]
+    block_m, block_n, block_k, warps, stages = tile_config(tiled_rows, fmt, block)
     scale_bn, scale_bk = block if fmt == 1 else (1, 1)
     grid = (triton.cdiv(rows.shape[0], block_m), triton.cdiv(n, block_n))
     _linear_kernel[grid](

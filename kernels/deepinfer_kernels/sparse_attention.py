@@ -6,6 +6,9 @@ BLOCK_H heads on the tensor cores (K = V, so one load serves both products). Key
 the ring positions still in the window that were cached before the step, this step's rows up to the
 query, then the compressed entries (all visible ones, or the indexer's selection), read through the
 sequence's block table. The sink starts the running max and sum (its probability is dropped).
+With FIXED_KEY_BLOCKS (batch-invariant mode) the window keys are one run in blocks aligned to the
+query's position, each key read from the ring or from this step's rows: the online softmax then
+meets the same key blocks however the sequence was split into chunks.
 """
 
 from __future__ import annotations
@@ -45,12 +48,12 @@ def _attend(q, k, valid, m_i, l_i, acc, scale, ROUND: tl.constexpr, IEEE: tl.con
 @triton.jit
 def _sparse_attention_kernel(
     q_ptr, kv_ptr, window_ptr, sinks_ptr, entries_ptr, selected_ptr, out_ptr,
-    token_seq_ptr, query_start_ptr, context_lens_ptr, slot_ids_ptr, block_tables_ptr, positions_ptr,
+    token_seq_ptr, query_start_ptr, context_lens_ptr, slot_ids_ptr, block_tables_ptr, positions_ptr, window_starts_ptr,
     H, D, RING, ratio, per_block, top_k, scale,
     stride_qt, stride_qh, stride_kv, stride_ws, stride_wp, stride_eb, stride_eo, stride_sel, stride_bt,
     stride_ot, stride_oh,
     HAS_ENTRIES: tl.constexpr, HAS_SELECTED: tl.constexpr, ROUND: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    FIXED_KEY_BLOCKS: tl.constexpr, HAS_WINDOW_STARTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -68,19 +71,34 @@ def _sparse_attention_kernel(
     l_i = tl.full((BLOCK_H,), 1.0, dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
     lo = tl.maximum(pos - RING + 1, 0)
-    for p0 in range(lo, ctx, BLOCK_N):
-        p = p0 + tl.arange(0, BLOCK_N)
-        valid = p < ctx
-        k = tl.load(window_ptr + slot * stride_ws + (p % RING)[:, None] * stride_wp + offs_d[None, :],
-                    mask=valid[:, None] & d_mask[None, :], other=0.0).to(kv_dtype)
-        m_i, l_i, acc = _attend(q, k, valid, m_i, l_i, acc, scale, ROUND, IEEE)
-    for p0 in range(tl.maximum(lo, ctx), pos + 1, BLOCK_N):
-        p = p0 + tl.arange(0, BLOCK_N)
-        valid = p <= pos
-        rows = (start + p - ctx).to(tl.int64)
-        k = tl.load(kv_ptr + rows[:, None] * stride_kv + offs_d[None, :],
-                    mask=valid[:, None] & d_mask[None, :], other=0.0)
-        m_i, l_i, acc = _attend(q, k, valid, m_i, l_i, acc, scale, ROUND, IEEE)
+    if HAS_WINDOW_STARTS:  # bounded prefix replay: no window KV below the sequence's replay start
+        lo = tl.maximum(lo, tl.load(window_starts_ptr + seq))
+    if FIXED_KEY_BLOCKS:
+        for p0 in range(lo, pos + 1, BLOCK_N):
+            p = p0 + tl.arange(0, BLOCK_N)
+            cached = p < ctx
+            fresh = (p >= ctx) & (p <= pos)
+            k_ring = tl.load(window_ptr + slot * stride_ws + (p % RING)[:, None] * stride_wp + offs_d[None, :],
+                             mask=cached[:, None] & d_mask[None, :], other=0.0).to(kv_dtype)
+            rows = (start + p - ctx).to(tl.int64)
+            k_step = tl.load(kv_ptr + rows[:, None] * stride_kv + offs_d[None, :],
+                             mask=fresh[:, None] & d_mask[None, :], other=0.0)
+            k = tl.where(cached[:, None], k_ring, k_step)
+            m_i, l_i, acc = _attend(q, k, cached | fresh, m_i, l_i, acc, scale, ROUND, IEEE)
+    else:
+        for p0 in range(lo, ctx, BLOCK_N):
+            p = p0 + tl.arange(0, BLOCK_N)
+            valid = p < ctx
+            k = tl.load(window_ptr + slot * stride_ws + (p % RING)[:, None] * stride_wp + offs_d[None, :],
+                        mask=valid[:, None] & d_mask[None, :], other=0.0).to(kv_dtype)
+            m_i, l_i, acc = _attend(q, k, valid, m_i, l_i, acc, scale, ROUND, IEEE)
+        for p0 in range(tl.maximum(lo, ctx), pos + 1, BLOCK_N):
+            p = p0 + tl.arange(0, BLOCK_N)
+            valid = p <= pos
+            rows = (start + p - ctx).to(tl.int64)
+            k = tl.load(kv_ptr + rows[:, None] * stride_kv + offs_d[None, :],
+                        mask=valid[:, None] & d_mask[None, :], other=0.0)
+            m_i, l_i, acc = _attend(q, k, valid, m_i, l_i, acc, scale, ROUND, IEEE)
     if HAS_ENTRIES:
         visible = (pos + 1) // ratio
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -116,8 +134,10 @@ def sparse_attention(
     entries: torch.Tensor | None = None,
     ratio: int = 0,
     selected: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """`KernelOps.sparse_attention` (same contract); `selected` rows must not repeat an entry."""
+    """`KernelOps.sparse_attention` (same contract); `selected` rows must not repeat an entry.
+    batch_invariant: window key blocks aligned to each query's position (FIXED_KEY_BLOCKS)."""
     tokens, heads, dim = q.shape
     out = torch.empty_like(q)
     if tokens == 0:
@@ -128,6 +148,8 @@ def sparse_attention(
         torch.arange(batch.num_seqs, device=q.device, dtype=torch.int32), query_lens.to(torch.long), output_size=tokens
     )
     has_entries = entries is not None
+    window_starts = token_seq if batch.window_starts_cpu is None else torch.tensor(
+        batch.window_starts_cpu, dtype=torch.int32).to(q.device, non_blocking=True)
     entries_arg = entries if has_entries else kv
     selected_arg = selected if selected is not None else token_seq
     block_h = 16
@@ -137,13 +159,14 @@ def sparse_attention(
     _sparse_attention_kernel[grid](
         q, kv, window, sinks, entries_arg, selected_arg, out,
         token_seq, batch.query_start_loc, batch.context_lens, batch.slot_ids, batch.block_tables, batch.positions,
-        heads, dim, window.shape[1], max(ratio, 1), entries.shape[1] if has_entries else 1,
+        window_starts, heads, dim, window.shape[1], max(ratio, 1), entries.shape[1] if has_entries else 1,
         selected.shape[1] if selected is not None else 0, scale,
         q.stride(0), q.stride(1), kv.stride(0), window.stride(0), window.stride(1),
         entries_arg.stride(0), entries_arg.stride(1) if has_entries else 0,
         selected_arg.stride(0), batch.block_tables.stride(0), out.stride(0), out.stride(1),
         HAS_ENTRIES=has_entries, HAS_SELECTED=selected is not None, ROUND=q.dtype != torch.float32,
-        IEEE=q.dtype == torch.float32, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4,
-        num_stages=2,
+        IEEE=q.dtype == torch.float32, FIXED_KEY_BLOCKS=batch_invariant,
+        HAS_WINDOW_STARTS=batch.window_starts_cpu is not None, BLOCK_H=block_h, BLOCK_N=block_n,
+        BLOCK_D=block_d, num_warps=4, num_stages=2,
     )
     return out

@@ -5,7 +5,7 @@ Formats (MODEL_SPEC §8, `deepinfer_core.quantization`), the kernels' FORMAT con
 - FP8 (1): float8_e4m3fn values; the (bn x bk) block scale is a power of two, so the caller multiplies the
   tile's partial product by it (exact) instead of scaling every element: tiles never straddle a block.
 - FP4 (2): e2m1 codes, two per byte (even column in the low nibble), one e8m0 scale per 32 columns, applied
-  here element-wise. Decoding is arithmetic on the code bits: no lookup table, no sm_90-only instruction,
+  here per 32-column group. Decoding builds bf16 bits from the code bits: no lookup table, no sm_90-only instruction,
   so the same code runs on SM100 (whose native fp4 MMA path can replace it later).
 
 Scales arrive as raw uint8 e8m0 bytes (value 2^(byte - 127)).
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["as_kernel_weight", "e2m1_to_float", "e8m0_to_float", "load_weight_tile", "weight_format"]
+__all__ = ["as_kernel_weight", "e2m1_to_bf16", "e8m0_to_float", "load_weight_tile", "weight_format"]
 
 
 def weight_format(weight: torch.Tensor) -> int:
@@ -43,25 +43,37 @@ def e8m0_to_float(byte):
 
 
 @triton.jit
-def e2m1_to_float(code):
-    """Value of a 4-bit e2m1 code: sign bit 3, exponent bits 2:1, mantissa bit 0."""
+def e2m1_to_bf16(code):
+    """e2m1 codes (int32 0..15) as bfloat16, built from bits: e2m1 is exactly representable in bf16."""
     exponent = (code >> 1) & 3
-    mantissa = (code & 1).to(tl.float32)
-    magnitude = tl.where(exponent == 0, mantissa * 0.5, (2.0 + mantissa) * tl.exp2(exponent.to(tl.float32) - 2.0))
-    return tl.where((code & 8) != 0, -magnitude, magnitude)
+    mantissa = code & 1
+    normal = ((exponent + 126) << 7) | (mantissa << 6)
+    bits = tl.where(exponent == 0, mantissa * 0x3F00, normal) | ((code & 8) << 12)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
 def load_weight_tile(
-    w_ptr, s_ptr, offs_n, offs_k, N, K, stride_wn, stride_sn, FORMAT: tl.constexpr, COMPUTE: tl.constexpr
+    w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT: tl.constexpr, COMPUTE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """[BLOCK_N, BLOCK_K] tile of W (rows offs_n, columns offs_k) in the COMPUTE dtype; FP8 unscaled."""
-    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    """[BLOCK_N, BLOCK_K] tile of W (rows offs_n, columns k0..k0+BLOCK_K) in the COMPUTE dtype; FP8 unscaled.
+
+    FP4 tiles (BLOCK_K a multiple of 32, k0 too) load their packed bytes and scales once each, as
+    contiguous rows, and decode both nibbles of a byte at once.
+    """
     rows = offs_n[:, None].to(tl.int64)
     if FORMAT == 2:
-        packed = tl.load(w_ptr + rows * stride_wn + offs_k[None, :] // 2, mask=mask, other=0)
-        code = (packed.to(tl.int32) >> ((offs_k[None, :] & 1) * 4)) & 15
-        scale = e8m0_to_float(tl.load(s_ptr + rows * stride_sn + offs_k[None, :] // 32, mask=mask, other=127))
-        return (e2m1_to_float(code) * scale).to(COMPUTE)
+        pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_ptr + rows * stride_wn + pairs[None, :],
+                         mask=(offs_n[:, None] < N) & (pairs[None, :] < K // 2), other=0).to(tl.int32)
+        values = tl.reshape(tl.join(e2m1_to_bf16(packed & 15), e2m1_to_bf16(packed >> 4)), [offs_n.shape[0], BLOCK_K])
+        groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        scale = e8m0_to_float(tl.load(s_ptr + rows * stride_sn + groups[None, :],
+                                      mask=(offs_n[:, None] < N) & (groups[None, :] < K // 32), other=127))
+        scaled = tl.reshape(values.to(tl.float32), [offs_n.shape[0], BLOCK_K // 32, 32]) * scale[:, :, None]
+        return tl.reshape(scaled, [offs_n.shape[0], BLOCK_K]).to(COMPUTE)
     else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
         return tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(COMPUTE)

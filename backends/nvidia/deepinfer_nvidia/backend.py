@@ -52,8 +52,8 @@ class NvidiaBackend(Backend):
         return CudaMemoryManager(self.device)
 
     def capabilities(self) -> Capabilities:
-        # cuBLAS picks GEMM algorithms by shape, so reductions depend on the batch until
-        # batch-invariant kernels land; fp8/fp4 weights are dequantised by the reference ops.
+        # batch_invariant: TritonOps' mode with fixed tiles and reduction orders (ops.py);
+        # fp8/fp4 weights are dequantised by the reference ops.
         return Capabilities(
-            batch_invariant=False, deterministic_sampling=True, graphs=True, fp8=False, fp4=False
+            batch_invariant=True, deterministic_sampling=True, graphs=True, fp8=False, fp4=False
         )

@@ -2,6 +2,9 @@
 
 Kernels are resolved once here (module imports at construction); each override is a plain call.
 An op keeps the reference path for the inputs its kernel does not cover (named at each fallback).
+In batch-invariant mode (`KernelOps.batch_invariant`) each kernel gets fixed tile sizes and fixed
+reduction orders; the reference ops that remain run on `row_tile`-row tiles (so a cuBLAS call always
+has the same shape).
 """
 
 from __future__ import annotations
@@ -12,13 +15,20 @@ import torch
 
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
+from deepinfer_nvidia.decode_compress import compress_kv_decode, is_decode_step
 
 __all__ = ["TritonOps"]
 
 
 class TritonOps(KernelOps):
+    # Reference ops left on the GPU (mHC, routing, sampling, ...) run on tiles this tall in
+    # batch-invariant mode: few launches for a prefill, little padding for a decode.
+    row_tile = 128
+
     def __init__(self) -> None:
-        from deepinfer_kernels import fused_moe, linear, rms_norm, sparse_attention
+        from deepinfer_kernels import (
+            cache_writes, fused_moe, hyper_connection, indexer, linear, rms_norm, rope, sparse_attention,
+        )
 
         self._rms_norm = rms_norm.rms_norm
         self._linear = linear.linear
@@ -27,6 +37,14 @@ class TritonOps(KernelOps):
         self._stacked_experts = fused_moe.StackedExperts
         self._attention = sparse_attention.sparse_attention
         self._expert_stacks: dict[tuple, fused_moe.StackedExperts] = {}
+        self._hc_mix = hyper_connection.hc_mix
+        self._hc_collapse = hyper_connection.hc_collapse
+        self._hc_update = hyper_connection.hc_update
+        self._rope = rope.rope
+        self._rope_supported = rope.rope_supported
+        self._indexer_topk = indexer.indexer_topk
+        self._indexer_supported = indexer.indexer_supported
+        self._store_window = cache_writes.store_window
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         return self._rms_norm(x, weight, eps)
@@ -41,7 +59,7 @@ class TritonOps(KernelOps):
         # Fallback: fp8 block shapes that are not powers of two >= 16, fp4 rows that are not whole scale groups.
         if not self._linear_supported(weight, block):
             return super().linear(x, weight, scale, block)
-        return self._linear(x, weight, scale, block)
+        return self._linear(x, weight, scale, block, self.batch_invariant)
 
     def grouped_linear(
         self,
@@ -59,7 +77,7 @@ class TritonOps(KernelOps):
         outs = [
             self._linear(
                 x[:, g], weight[g * rows:(g + 1) * rows],
-                None if scale is None else scale[g * scale_rows:(g + 1) * scale_rows], block,
+                None if scale is None else scale[g * scale_rows:(g + 1) * scale_rows], block, self.batch_invariant,
             )
             for g in range(groups)
         ]
@@ -77,7 +95,9 @@ class TritonOps(KernelOps):
         # Expert parallelism calls this with no shared expert (pairs computed for another rank) or
         # with no held expert (a rank that only adds the shared term).
         if any(e is not None for e in experts):
-            out = self._moe_routed(x, weights, ids, self._stack(experts, x.device), swiglu_limit)
+            out = self._moe_routed(
+                x, weights, ids, self._stack(experts, x.device), swiglu_limit, self.batch_invariant
+            )
         else:
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if shared is not None:
@@ -96,7 +116,59 @@ class TritonOps(KernelOps):
         ratio: int = 0,
         selected: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self._attention(q, kv, window, sinks, scale, batch, entries, ratio, selected)
+        return self._attention(q, kv, window, sinks, scale, batch, entries, ratio, selected, self.batch_invariant)
+
+    # The kernels below reduce each row (token) in an order fixed by the shapes of the model, not the batch.
+    def hc_mix(
+        self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+        norm_eps: float, hc_eps: float, sinkhorn_iters: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._hc_mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, self.batch_invariant)
+
+    def hc_collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return self._hc_collapse(streams, pre)
+
+    def hc_post(
+        self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        return self._hc_update(block_out, streams, post, comb, round_terms=True)
+
+    def hc_expand(
+        self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        return self._hc_update(block_out, streams, post, comb, round_terms=False)
+
+    def rope(
+        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+    ) -> torch.Tensor:
+        # Fallback: a rotary width whose half is not a power of two.
+        if not self._rope_supported(inv_freq):
+            return super().rope(x, positions, inv_freq, inverse)
+        return self._rope(x, positions, inv_freq, inverse)
+
+    def indexer_topk(
+        self, q: torch.Tensor, head_weights: torch.Tensor, index_keys: torch.Tensor, ratio: int, topk: int,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        # Fallback: index head dims that are not powers of two >= 16, keys stored in another dtype.
+        if not self._indexer_supported(q, index_keys):
+            return super().indexer_topk(q, head_weights, index_keys, ratio, topk, batch)
+        return self._indexer_topk(q, head_weights, index_keys, ratio, topk, batch)
+
+    def store_window(self, kv: torch.Tensor, window: torch.Tensor, batch: ForwardBatch) -> None:
+        self._store_window(kv, window, batch)
+
+    def compress_kv(
+        self, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
+        inv_freq: torch.Tensor, ratio: int, overlap: bool, state_kv: torch.Tensor, state_gate: torch.Tensor,
+        entries: torch.Tensor, batch: ForwardBatch,
+    ) -> None:
+        args = (kv, gate, ape, norm_weight, norm_eps, inv_freq, ratio, overlap, state_kv, state_gate, entries, batch)
+        # Fallback: prefill steps (the reference's per-sequence loop) and the batch-invariant mode,
+        # whose reference path pools on fixed row tiles.
+        if self.batch_invariant or not is_decode_step(batch):
+            return super().compress_kv(*args)
+        return compress_kv_decode(self, *args)
 
     def _stack(self, experts: Sequence[MlpWeights | None], device: torch.device):
         """The held experts stacked [E_held, N, K]; built once per layer and reused.

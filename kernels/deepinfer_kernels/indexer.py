@@ -1,0 +1,96 @@
+"""Lightning-indexer scores over the paged index keys, then the top-k entries per query.
+
+The score kernel tiles (queries of one sequence) x (entries): it gathers the entries' keys through
+the block table once per tile and loops over the indexer heads, accumulating
+sum_h w[t, h] * ReLU(q[t, h] . K[w]) in float32, so the [T, H, W] per-head scores are never stored.
+Tiles whose entries no query of the tile can see only write -inf. Each score is reduced over the
+heads in a fixed order for its own row and entry, whatever the batch (batch-invariant). The top-k is
+a stable descending sort, which breaks ties towards the lowest entry, as the reference does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_core.models.forward_batch import ForwardBatch
+
+__all__ = ["indexer_topk", "indexer_supported"]
+
+_BLOCK_Q = 16
+_BLOCK_W = 64
+
+
+@triton.jit
+def _indexer_scores_kernel(
+    q_ptr, hw_ptr, keys_ptr, tables_ptr, n_entries_ptr, pos_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr,
+    out_ptr, H, ratio, per_block, stride_table, stride_page, stride_slot, stride_out, head_scale, dim_scale,
+    DI: tl.constexpr, IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.load(tile_seq_ptr + tile)
+    rows = tl.load(tile_start_ptr + tile) + tl.arange(0, BLOCK_Q)
+    row_ok = rows < tl.load(tile_end_ptr + tile)
+    w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
+    limit = tl.where(row_ok, (pos + 1) // ratio, 0)
+    visible = (w[None, :] < limit[:, None]) & (w[None, :] < tl.load(n_entries_ptr + seq))
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + w[None, :]
+    out_ok = row_ok[:, None] & (w[None, :] < stride_out)
+    if tl.program_id(1) * BLOCK_W < tl.max(limit, axis=0):
+        w_ok = w < tl.load(n_entries_ptr + seq)
+        page = tl.load(tables_ptr + seq.to(tl.int64) * stride_table + w // per_block, mask=w_ok, other=0)
+        dims = tl.arange(0, DI)
+        key_rows = page.to(tl.int64) * stride_page + (w % per_block) * stride_slot
+        keys = tl.load(keys_ptr + key_rows[:, None] + dims[None, :], mask=w_ok[:, None], other=0.0)
+        acc = tl.zeros([BLOCK_Q, BLOCK_W], dtype=tl.float32)
+        for h in range(H):
+            q = tl.load(q_ptr + (rows.to(tl.int64)[:, None] * H + h) * DI + dims[None, :], mask=row_ok[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(keys))
+            weight = tl.load(hw_ptr + rows * H + h, mask=row_ok, other=0.0).to(tl.float32) * head_scale
+            acc += (tl.maximum(s, 0.0) * dim_scale) * weight[:, None]
+        tl.store(out_ptrs, tl.where(visible, acc, float("-inf")), mask=out_ok)
+    else:
+        tl.store(out_ptrs, tl.full([BLOCK_Q, BLOCK_W], float("-inf"), tl.float32), mask=out_ok)
+
+
+def indexer_supported(q: torch.Tensor, index_keys: torch.Tensor) -> bool:
+    di = q.shape[-1]
+    return di >= 16 and di & (di - 1) == 0 and index_keys.dtype == q.dtype and q.dtype in (torch.bfloat16, torch.float32)
+
+
+def indexer_topk(
+    q: torch.Tensor, head_weights: torch.Tensor, index_keys: torch.Tensor, ratio: int, topk: int, batch: ForwardBatch
+) -> torch.Tensor:
+    """`KernelOps.indexer_topk`: int64 [T, topk] visible entries by descending score, -1 padded."""
+    t, h, di = q.shape
+    device = q.device
+    n_entries = [(c + n) // ratio for c, n in zip(batch.context_lens_cpu, batch.query_lens_cpu)]
+    width = max(n_entries, default=0)
+    out = torch.full((t, topk), -1, dtype=torch.long, device=device)
+    if t == 0 or width == 0:
+        return out
+    tile_seq, tile_start, tile_end, row = [], [], [], 0
+    for i, n_q in enumerate(batch.query_lens_cpu):
+        for first in range(row, row + n_q, _BLOCK_Q):
+            tile_seq.append(i)
+            tile_start.append(first)
+            tile_end.append(row + n_q)
+        row += n_q
+    meta = torch.tensor([tile_seq, tile_start, tile_end], dtype=torch.int32).to(device, non_blocking=True)
+    scores = torch.empty(t, width, dtype=torch.float32, device=device)
+    _indexer_scores_kernel[(len(tile_seq), triton.cdiv(width, _BLOCK_W))](
+        q.contiguous(), head_weights.contiguous(), index_keys, batch.block_tables,
+        torch.tensor(n_entries, dtype=torch.int32).to(device, non_blocking=True), batch.positions,
+        meta[0], meta[1], meta[2], scores, h, ratio, index_keys.shape[1], batch.block_tables.stride(0),
+        index_keys.stride(0), index_keys.stride(1), width, h ** -0.5, di ** -0.5,
+        DI=di, IEEE=q.dtype == torch.float32, BLOCK_Q=_BLOCK_Q, BLOCK_W=_BLOCK_W,
+    )
+    ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    k = min(topk, width)
+    out[:, :k] = torch.where(torch.isfinite(ranked[:, :k]), order[:, :k], -1)
+    return out

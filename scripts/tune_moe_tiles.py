@@ -1,0 +1,83 @@
+"""Time the routed-expert grouped GEMM (`deepinfer_kernels.fused_moe`) over tile configurations.
+
+For each (weight format, tokens) at V4-Flash widths: every candidate (BLOCK_M, BLOCK_N, BLOCK_K, warps,
+stages), its output against the current default's (a config that changes the result beyond the bf16
+accumulation tolerance is marked), its median time and TFLOP/s. The table tells which defaults
+`fused_moe.tile_config` should return; it is a script, not a test.
+
+    python3 scripts/tune_moe_tiles.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+import torch
+from kernel_bench_common import time_ms
+from kernel_cases import stacked_experts
+
+from deepinfer_kernels import fused_moe
+
+CANDIDATES_M = (16, 64, 128)
+CANDIDATES_NK = ((64, 64), (128, 64), (64, 128))
+CANDIDATES_WARPS_STAGES = ((4, 3), (8, 3), (4, 4))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="64,8192")
+    parser.add_argument("--formats", default="bf16,fp4")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    from deepinfer_nvidia.ops import TritonOps
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden, inter, experts, top_k = 4096, 2048, 256, 6
+    default = fused_moe.tile_config
+    lines = ["| format | tokens | BLOCK_M | BLOCK_N | BLOCK_K | warps | stages | ms | TFLOP/s | rel. diff vs default |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for fmt in args.formats.split(","):
+        mlps, _ = stacked_experts(experts, hidden, inter, fmt, gen, device, (128, 128))
+        ops = TritonOps()
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
+            ids = torch.rand(tokens, experts, device=device, generator=gen).topk(top_k, dim=-1).indices
+            weights = torch.rand(tokens, top_k, device=device, generator=gen) + 0.1
+            flops = 2 * tokens * top_k * 3 * hidden * inter
+
+            def run():
+                return ops.fused_moe(x, weights, ids, mlps, None, 10.0)
+
+            fused_moe.tile_config = default
+            expected = run().float()
+            results = []
+            for bm, (bn, bk), (warps, stages) in itertools.product(CANDIDATES_M, CANDIDATES_NK, CANDIDATES_WARPS_STAGES):
+                config = (bm, bn, bk, warps, stages)
+                fused_moe.tile_config = lambda *_, c=config: c
+                try:
+                    got = run().float()
+                    diff = float((got - expected).norm() / expected.norm())
+                    ms = time_ms(run, device, rep_ms=50)
+                except Exception as err:  # noqa: BLE001  (a config that does not compile is a row, not a stop)
+                    results.append((float("inf"), config, f"{type(err).__name__}"))
+                    continue
+                results.append((ms, config, f"{diff:.1e}"))
+            fused_moe.tile_config = default
+            default_ms = time_ms(run, device, rep_ms=50)
+            results.sort()
+            for ms, config, diff in results[:5]:
+                lines.append(f"| {fmt} | {tokens} | " + " | ".join(map(str, config))
+                             + f" | {ms:.3f} | {flops / ms / 1e9:.0f} | {diff} |")
+            lines.append(f"| {fmt} | {tokens} | default {default(tokens * top_k, fused_moe.weight_format(mlps[0].w1), False)}"
+                         f" | | | | | {default_ms:.3f} | {flops / default_ms / 1e9:.0f} | 0 |")
+            print("\n".join(lines[-6:]), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "moe_tiles.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Triton mHC kernels (`hc_mix`, `hc_collapse`, `hc_update`) against the reference ops, through the interpreter."""
+
+from __future__ import annotations
+
+import triton_interpreter  # noqa: F401  (sets TRITON_INTERPRET=1 before the kernels import)
+
+import pytest
+import torch
+from kernel_checks import assert_matches
+
+from deepinfer_core.platform.kernel_ops import KernelOps
+from deepinfer_kernels.hyper_connection import hc_collapse, hc_mix, hc_update
+
+# float32: reduction order only (the RMS factor applied after the dot instead of before: ~1e-7).
+# bfloat16 inputs are widened exactly; the coefficients are float32 outputs either way, so the same
+# bound holds. Stream updates in bf16 round each term as the reference does, up to a rare 1-ulp flip.
+F32_TOL = 2e-6
+UPDATE_TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3}
+
+
+def _streams(gen, t, n, d, dtype):
+    return (torch.randn(t, n, d, generator=gen) * 2).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,n,d,iters,norm_eps", [(19, 4, 40, 20, 1e-6), (5, 2, 72, 3, 1e-20), (1, 4, 16, 1, 1e-6), (70, 4, 600, 20, 1e-6)])
+def test_hc_mix_matches_reference(dtype, t, n, d, iters, norm_eps):
+    gen = torch.Generator().manual_seed(t * 100 + n)
+    streams = _streams(gen, t, n, d, dtype)
+    fn = torch.randn((2 + n) * n, n * d, generator=gen) * 0.1
+    base, scale = torch.randn((2 + n) * n, generator=gen) * 0.5, torch.rand(3, generator=gen) + 0.5
+    args = (streams, fn, base, scale, norm_eps, 1e-6, iters)
+    for out, ref in zip(hc_mix(*args), KernelOps().hc_mix(*args)):
+        assert_matches(out, ref, F32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_collapse_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(3)
+    streams, pre = _streams(gen, 9, 4, 1100, dtype), torch.rand(9, 4, generator=gen) + 0.1
+    assert_matches(hc_collapse(streams, pre), KernelOps().hc_collapse(streams, pre), UPDATE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("round_terms", [True, False])
+def test_hc_update_matches_reference(dtype, round_terms):
+    gen = torch.Generator().manual_seed(4)
+    t, n, d = 7, 4, 72
+    block_out, streams = (torch.randn(t, d, generator=gen) * 2).to(dtype), _streams(gen, t, n, d, dtype)
+    comb = torch.softmax(torch.randn(t, n, n, generator=gen), dim=-1)
+    post = 2 * torch.sigmoid(torch.randn(t, n, generator=gen))
+    reference = KernelOps().hc_post if round_terms else KernelOps().hc_expand
+    assert_matches(hc_update(block_out, streams, post, comb, round_terms),
+                   reference(block_out, streams, post, comb), UPDATE_TOL[dtype])
