@@ -2,7 +2,7 @@
 
 A drafter returns draft tokens with per-position confidences; how many of them the target verifies
 is decided from the confidences (`confident_prefix` for MTP's per-token rule; DeepSeek-V4.1's
-DSpark block drafter will bring its own survival-probability budget over the same fields).
+DSpark block drafter uses the survival-probability budget of budget.py over the same fields).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class DraftContext:
     """
 
     batch: ForwardBatch
-    streams: torch.Tensor         # [R, hc_mult, D] target residual streams after the last block
+    streams: torch.Tensor         # [R, ...] the drafter's input from the target (`Drafter.target_features`)
     next_token_ids: torch.Tensor  # [R] int64
 
 
@@ -55,6 +55,11 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, context: DraftContext, sampling: SamplingTensors, max_drafts: list[int]) -> Draft: ...
+
+    def target_features(self, out) -> torch.Tensor:
+        """What the drafter reads of the target forward that produced `out` (a ModelOutput), one row
+        per token: by default the residual streams after the last block [T, hc_mult, D]."""
+        return out.streams
 
 
 def confident_prefix(confidences: torch.Tensor, lengths: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-__all__ = ["TINY_CONFIG", "make_tiny_checkpoint"]
+__all__ = ["TINY_CONFIG", "TINY_DSPARK_TEXT_CONFIG", "make_tiny_checkpoint", "make_tiny_dspark_checkpoint"]
 
 # MODEL_SPEC §10 with every layer type present (L0 sliding+hash, L1 CSA+hash, L2 HCA(8)+score,
 # L3 CSA+score, L4 sliding+score, MTP sliding+score) and 8 indexer heads (fewer tie at zero scores).
@@ -161,6 +161,51 @@ def _add_mtp_weights(path: Path, raw: dict[str, Any], gen: torch.Generator, dtyp
     tensors = load_file(file)
     tensors.update(_mtp_tensors(raw, gen, dtype))
     save_file(tensors, file, metadata={"format": "pt"})
+
+
+# The tiny V4.1 text config (tiny_v41_checkpoint.py) with three DSpark stages: six layers whose last three
+# non-source layers (1, 3, 5; the DSpark targets) are no engram layer, 4 experts top-2 in the stages.
+TINY_DSPARK_TEXT_CONFIG: dict[str, Any] = {
+    "num_hidden_layers": 6,
+    "compress_ratios": [0, 0, 2, 2, 1, 0],
+    "engram_layer_ids": [2],
+    "num_nextn_predict_layers": 3,
+    "dspark_block_size": 4,
+    "dspark_noise_token_id": 126,
+    "dspark_markov_rank": 16,
+    "dspark_n_routed_experts": 4,
+    "dspark_num_experts_per_tok": 2,
+}
+
+
+def make_tiny_dspark_checkpoint(path: str | Path, *, text_overrides: dict[str, Any] | None = None, seed: int = 0) -> Path:
+    """A tiny random DeepSeek-V4.1 checkpoint (no vision weights) plus DSpark weights under the official
+    `mtp.{0,1,2}.*` names (MODEL_SPEC_V41 §10, §13). Returns the directory."""
+    from deepinfer_core.models.deepseek_v41 import DeepseekV41ForCausalLM, parse_deepseek_v41_config
+    from deepinfer_core.models.deepseek_v41.dspark import DSpark
+    from deepinfer_core.platform.kernel_ops import KernelOps
+
+    from .tiny_v41_checkpoint import _random, make_tiny_v41_checkpoint
+
+    path = make_tiny_v41_checkpoint(path, vision=False, text_overrides={**TINY_DSPARK_TEXT_CONFIG,
+                                                                         **(text_overrides or {})}, seed=seed)
+    config = parse_deepseek_v41_config(json.loads((path / "config.json").read_text()))
+    cpu = torch.device("cpu")
+    target = DeepseekV41ForCausalLM(config, KernelOps(), torch.float32, cpu, kv_cache_dtype="bf16")
+    dspark = DSpark(config, target, KernelOps(), torch.float32, cpu, kv_cache_dtype="bf16")
+    gen = torch.Generator().manual_seed(seed + 1)
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    for name, t in dspark.state_dict().items():
+        if "markov_head" in name:  # a logit correction of a few units, as the target head's
+            value = torch.randn(tuple(t.shape), generator=gen) * 0.5
+        elif "confidence_head" in name:  # confidences spread over (0, 1) rather than saturated
+            value = torch.randn(tuple(t.shape), generator=gen) * 0.02
+        else:
+            value = _random(name, tuple(t.shape), gen)
+        tensors[name] = value.to(t.dtype).contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path
 
 
 def _training_text() -> list[str]:

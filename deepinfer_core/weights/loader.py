@@ -50,8 +50,13 @@ def load_model_weights(
     checkpoint_dir: str | Path,
     *,
     expert_filter: ExpertFilter | None = None,
+    prefixes: tuple[str, ...] | None = None,
 ) -> None:
     """Fill every entry of `model.state_dict()` from the checkpoint in `checkpoint_dir`.
+
+    Checkpoint tensors whose official name starts with one of the model's `skipped_checkpoint_prefixes`
+    (a class attribute, e.g. V4.1's `mtp.`, which its drafter loads) are neither read nor checked; with
+    `prefixes`, only tensors under those prefixes are (a drafter loading just its own layers).
 
     Raises CheckpointMismatch naming the tensor when one is missing, unexpected, or of the wrong shape
     or dtype; CorruptCheckpoint naming the file when a shard cannot be parsed; UnsafeCheckpointFormat
@@ -60,7 +65,12 @@ def load_model_weights(
     checkpoint_dir = Path(checkpoint_dir)
     targets = model.state_dict()
     owns = _expert_ownership(checkpoint_dir, expert_filter)
-    plan = _plan(checkpoint_shards(checkpoint_dir), targets, owns)
+    skipped_prefixes = tuple(getattr(model, "skipped_checkpoint_prefixes", ()))
+
+    def wanted(name: str) -> bool:
+        return (prefixes is None or name.startswith(prefixes)) and not name.startswith(skipped_prefixes)
+
+    plan = _plan(checkpoint_shards(checkpoint_dir), targets, owns, wanted)
     by_file: dict[Path, list[_Copy]] = {}
     for copy in plan:
         by_file.setdefault(copy.stored.file, []).append(copy)
@@ -97,18 +107,21 @@ def _num_hidden_layers(checkpoint_dir: Path) -> int:
             f"{config} is missing; expert filtering needs its `num_hidden_layers` to number the MTP blocks"
         )
     try:
-        return int(json.loads(config.read_text())["num_hidden_layers"])
+        raw = json.loads(config.read_text())
+        return int(raw.get("text_config", raw)["num_hidden_layers"])  # V4.1 nests its text model's
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise CorruptCheckpoint(f"{config} has no integer `num_hidden_layers`: {err}") from err
 
 
-def _plan(shards: list[Path], targets: dict[str, torch.Tensor], owns: _Ownership) -> list[_Copy]:
+def _plan(
+    shards: list[Path], targets: dict[str, torch.Tensor], owns: _Ownership, wanted: Callable[[str], bool]
+) -> list[_Copy]:
     plan: list[_Copy] = []
     filled: dict[str, StoredTensor] = {}
     skipped: set[str] = set()
     for path in shards:
         for stored in read_header(path):
-            for copy in _copies_of(stored, owns, skipped):
+            for copy in _copies_of(stored, owns, skipped, wanted):
                 if copy.target in filled:
                     other = filled[copy.target]
                     raise CheckpointMismatch(
@@ -126,8 +139,12 @@ def _plan(shards: list[Path], targets: dict[str, torch.Tensor], owns: _Ownership
     return plan
 
 
-def _copies_of(stored: StoredTensor, owns: _Ownership, skipped: set[str]) -> list[_Copy]:
+def _copies_of(
+    stored: StoredTensor, owns: _Ownership, skipped: set[str], wanted: Callable[[str], bool]
+) -> list[_Copy]:
     fused = fused_experts(stored.name)
+    if not wanted(f"{fused.block}.ffn.experts" if fused is not None else official_name(stored.name)):
+        return []
     if fused is not None:
         copies = []
         for expert in range(stored.shape[0] if stored.shape else 0):

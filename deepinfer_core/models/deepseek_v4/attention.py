@@ -13,6 +13,7 @@ from .compressor import Compressor
 from .factory import ModuleFactory
 from .indexer import Indexer
 from .rope import rope_inv_freq
+from .step_rows import StepRows
 
 __all__ = ["Attention"]
 
@@ -36,6 +37,10 @@ class Attention(nn.Module):
         if spec.is_compressed:
             self.compressor = Compressor(f, spec.compress_ratio, c.head_dim, overlap=spec.attention == CSA)
         self.indexer = Indexer(f, spec.compress_ratio) if spec.attention == CSA else None
+        # The cache's compressor then indexer states, in this order (LayerCache).
+        pools = (self.compressor, self.indexer.compressor if self.indexer is not None else None)
+        self.pools = [m for m in pools if m is not None]
+        self.step_rows = StepRows()
         rope = c.rope_compress if spec.is_compressed else c.rope_main
         self.register_buffer("inv_freq", rope_inv_freq(rope, c.qk_rope_head_dim).to(f.device), persistent=False)
 
@@ -45,17 +50,22 @@ class Attention(nn.Module):
         q = ops.rms_norm(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), None, self.eps)
         q = ops.rope(q, pos, self.inv_freq)
         kv = ops.rope(self.kv_norm(self.wkv(x)), pos, self.inv_freq)
-        entries = selected = None
-        if self.compressor is not None:
-            self.compressor(x, self.inv_freq, batch, cache.compressor)
-            entries = cache.compressor.entries
+        projections = [p for pool in self.pools for p in pool.project(x)]
+        # Every row of the step reaches the cache; this process's queries (`batch`) read it.
+        keys, step = self.step_rows.share_keys([kv, *projections], batch, cache.window)
+        step_kv, projections = keys[0], keys[1:]
+        states = [s for s in (cache.compressor, cache.indexer) if s is not None]
+        for pool, state, pool_kv, pool_gate in zip(self.pools, states, projections[0::2], projections[1::2]):
+            pool(pool_kv, pool_gate, self.inv_freq, step, state)
+        entries = cache.compressor.entries if self.compressor is not None else None
+        selected = None
         if self.indexer is not None:
             selected = self.indexer(x, q_latent, self.inv_freq, batch, cache.indexer)
         out = ops.sparse_attention(
             q, kv, cache.window, self.attn_sink, self.head_dim**-0.5, batch,
             entries=entries, ratio=self.ratio, selected=selected,
         )
-        ops.store_window(kv, cache.window, batch)
+        ops.store_window(step_kv, cache.window, step)
         out = ops.rope(out, pos, self.inv_freq, inverse=True)
         groups = out.view(out.shape[0], self.o_groups, -1)
         grouped = ops.grouped_linear(groups, self.wo_a.weight, self.wo_a.scale, self.wo_a.block)

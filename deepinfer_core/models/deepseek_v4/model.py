@@ -15,6 +15,7 @@ from .block import Block
 from .cache import DeepseekV4Cache
 from .factory import ExpertFilter, ModuleFactory
 from .mtp import MTPBlock
+from .step_rows import StepRows
 
 __all__ = ["DeepseekV4ForCausalLM", "ModelOutput", "MtpOutput"]
 
@@ -44,7 +45,9 @@ class DeepseekV4ForCausalLM(nn.Module):
     `mtp.0.e_proj.weight`, ...), allocated empty: fill them with `weights.loader.load_model_weights`.
     With `expert_filter(block, expert)` (expert parallelism; MTP block k is num_hidden_layers + k) the
     model holds only those routed experts; each MoE then returns its held experts' share plus the
-    shared expert, and the caller combines ranks.
+    shared expert, and the caller combines ranks. `step_rows` (on the model and each main layer's
+    attention) decides which rows of a step this process computes: all, unless context parallelism
+    (`deepinfer_core.distributed.context_parallel`) replaces it.
 
     - `forward(batch, cache) -> ModelOutput(hidden [T, D], streams [T, hc_mult, D])` runs every token
       of the step and updates `cache` (a `DeepseekV4Cache`) for them.
@@ -76,10 +79,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head_scale = f.param(1, dtype=torch.float32)
         n = config.num_hidden_layers
         self.mtp = nn.ModuleList(MTPBlock(f, spec, n + k) for k, spec in enumerate(config.mtp_layers))
+        self.step_rows = StepRows()
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: DeepseekV4Cache) -> ModelOutput:
         c = self.config
+        batch = self.step_rows.begin(batch)
         embeds = self.ops.embedding(batch.input_ids, self.embed.weight)
         streams = embeds.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
         for layer, layer_cache in zip(self.layers, cache.layers):
@@ -87,7 +92,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         head = self.ops.hc_head(
             streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.rms_norm_eps, c.hc_eps
         )
-        return ModelOutput(self.norm(head), streams)
+        return ModelOutput(*self.step_rows.gather(self.norm(head), streams))
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

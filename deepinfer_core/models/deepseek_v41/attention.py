@@ -17,22 +17,24 @@ from deepinfer_core.models.forward_batch import ForwardBatch
 
 from .band import BandState, write_entries
 from .cache import DeepseekV41Cache
-from .compressor import Compressor
+from .compressor import Compressor, NewGroups
 from .factory import ModuleFactory
 from .indexer import Indexer
 from .kv_quant import StoredTensor
 
-__all__ = ["Attention", "ForwardState"]
+__all__ = ["Attention", "ForwardState", "store_in_ring"]
 
 
 class ForwardState:
-    """Per-forward state carried from layer to layer: the open band, and the step's batch renumbered
-    onto the decoded copies of its slots (0..S-1) and blocks (row-major over its block tables)."""
+    """Per-forward state carried from layer to layer: the open band, the step's batch renumbered
+    onto the decoded copies of its slots (0..S-1) and blocks (row-major over its block tables), and
+    the rows that are image-span tokens (int64 on the device, or None)."""
 
-    __slots__ = ("band", "local")
+    __slots__ = ("band", "local", "image_rows")
 
     def __init__(self, batch: ForwardBatch) -> None:
         self.band: BandState | None = None
+        self.image_rows: torch.Tensor | None = None
         n_seqs, width = batch.block_tables.shape
         tables = torch.arange(n_seqs * width, dtype=torch.int32, device=batch.block_tables.device).view(n_seqs, width)
         self.local = replace(
@@ -88,7 +90,7 @@ class Attention(nn.Module):
             q, kv, ring, self.attn_sink, self.head_dim**-0.5, state.local,
             entries=entries, ratio=self.ratio, selected=band.selected if attend else None,
         )
-        self._store_window(kv, batch, window)
+        store_in_ring(self.ops, kv, batch, window)
         out = ops.rope(out, pos, self.inv_freq, inverse=True)
         grouped = ops.grouped_linear(out.view(out.shape[0], self.o_groups, -1), self.wo_a.weight, self.wo_a.scale,
                                      self.wo_a.block)
@@ -97,6 +99,9 @@ class Attention(nn.Module):
     def _publish(self, x: torch.Tensor, batch: ForwardBatch, band: BandState) -> None:
         """Compress the step's tokens; store the completed groups' entries and indexer keys."""
         new = self.compressor(x, batch, band.cache)
+        if batch.reused_lens_cpu is not None:  # bounded prefix replay: cached entries stay as they are
+            keep = new.entry_ids * self.ratio >= torch.tensor(batch.reused_lens_cpu, device=x.device)[new.seq_index]
+            new = NewGroups(new.latents[keep], new.entry_ids[keep], new.seq_index[keep])
         if new.entry_ids.numel() == 0:
             return
         positions = new.entry_ids * self.ratio
@@ -105,15 +110,17 @@ class Attention(nn.Module):
         keys = self.indexer.keys(new.latents, positions, self.inv_freq)
         write_entries(self.ops, band.cache.index_keys, batch, new.seq_index, new.entry_ids, keys)
 
-    def _store_window(self, kv: torch.Tensor, batch: ForwardBatch, window: StoredTensor) -> None:
-        """Each sequence's last min(q, W) positions p of the step go to ring row p % W of its slot."""
-        ring = window.parts[0].shape[1]
-        slots, rows, offsets = [], [], []
-        start = 0
-        for slot, n_q, ctx in zip(batch.slot_ids_cpu, batch.query_lens_cpu, batch.context_lens_cpu):
-            keep = torch.arange(max(ctx, ctx + n_q - ring), ctx + n_q, device=kv.device)
-            slots.append(torch.full_like(keep, slot))
-            offsets.append(keep % ring)
-            rows.append(start + keep - ctx)
-            start += n_q
-        window.write(self.ops, (torch.cat(slots), torch.cat(offsets)), kv[torch.cat(rows)])
+
+def store_in_ring(ops, kv: torch.Tensor, batch: ForwardBatch, window: StoredTensor) -> None:
+    """Each sequence's last min(q, W) positions p of the step go to ring row p % W of its slot."""
+    ring = window.parts[0].shape[1]
+    slots, rows, offsets = [], [], []
+    start = 0
+    for slot, n_q, ctx in zip(batch.slot_ids_cpu, batch.query_lens_cpu, batch.context_lens_cpu):
+        keep = torch.arange(max(ctx, ctx + n_q - ring), ctx + n_q, device=kv.device)
+        slots.append(torch.full_like(keep, slot))
+        offsets.append(keep % ring)
+        rows.append(start + keep - ctx)
+        start += n_q
+    if start:
+        window.write(ops, (torch.cat(slots), torch.cat(offsets)), kv[torch.cat(rows)])

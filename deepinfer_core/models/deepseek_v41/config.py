@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from deepinfer_core.model_config import ModelConfigError, QuantizationConfig, RopeParams
 from deepinfer_core.models.deepseek_v41.engram_layout import engram_num_embeddings
 
-__all__ = ["DeepseekV41TextConfig", "DeepseekV41Config", "parse_deepseek_v41_config"]
+__all__ = ["DeepseekV41TextConfig", "DeepseekV41VisionConfig", "DeepseekV41Config", "parse_deepseek_v41_config"]
 
 _RELEASE_LAYERS = 40
 _RELEASE_RATIOS = [0, 0] + [2] * 18 + [1] * 20
@@ -198,14 +198,40 @@ class DeepseekV41TextConfig(BaseModel):
         return {s: self.compress_ratios[s] for s in self.kv_source_layer_ids}
 
 
+class DeepseekV41VisionConfig(BaseModel):
+    """The vision tower and aligner (MODEL_SPEC_V41 §11); defaults are the release values."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    hidden_size: int = Field(default=1024, gt=0)
+    intermediate_size: int = Field(default=2816, gt=0)
+    num_hidden_layers: int = Field(default=32, ge=0)
+    num_attention_heads: int = Field(default=16, gt=0)
+    patch_size: int = Field(default=14, gt=0)
+    downsample_ratio: int = Field(default=3, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0)
+    max_image_tokens: int = Field(default=1024, ge=4)
+    min_pixels: int = Field(default=295936, ge=0)
+    max_wh_ratio: float | None = None
+    rms_norm_eps: float = 1e-6
+
+    @model_validator(mode="after")
+    def _check(self) -> "DeepseekV41VisionConfig":
+        heads = self.num_attention_heads
+        if self.hidden_size % heads or (self.hidden_size // heads) % 4:
+            raise ValueError(f"field `vision_config.num_attention_heads`: hidden_size {self.hidden_size} / {heads} "
+                             "heads must be a whole head_dim divisible by 4 (2D RoPE rotates head_dim/4 pairs per axis)")
+        return self
+
+
 class DeepseekV41Config(BaseModel):
-    """The composite release config; only the text path is read by the model."""
+    """The composite release config: the text backbone, and the vision tower when `vision_config` is given."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
     model_type: Literal["deepseek_v41"] = "deepseek_v41"
     text_config: DeepseekV41TextConfig
-    vision_config: dict[str, Any] | None = None
+    vision_config: DeepseekV41VisionConfig | None = None
     quantization_config: QuantizationConfig | None = None
     image_token_id: int | None = None
     tie_word_embeddings: bool = False

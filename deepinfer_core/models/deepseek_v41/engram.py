@@ -133,10 +133,19 @@ class EngramHasher:
             ids.append(rolling.unsqueeze(-1) % self.primes[None, :, n - 1])
         return torch.cat(ids, dim=-1) + self.offsets[None]
 
-    def step(self, batch: ForwardBatch, history: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self,
+        batch: ForwardBatch,
+        history: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
+        dead_rows: list[int] | None = None,
+    ) -> torch.Tensor:
         """Hash ids of every token of `batch` (host int64); updates `history` [num_slots, N-1] per slot.
-        `input_ids`: the batch's token ids already on the host (saves reading them back from the device)."""
+        `input_ids`: the batch's token ids already on the host (saves reading them back from the device);
+        `dead_rows`: rows that are image-span tokens, DEAD in the history like positions before the start."""
         compressed = self.token_map[(batch.input_ids if input_ids is None else input_ids).to(HOST)]
+        if dead_rows:
+            compressed[torch.tensor(dead_rows, dtype=torch.int64)] = DEAD
         slots = torch.tensor(batch.slot_ids_cpu, dtype=torch.int64)
         fresh = torch.tensor(batch.context_lens_cpu)[:, None] == 0
         before = torch.where(fresh, torch.full((len(slots), self.ngram - 1), DEAD, dtype=torch.int64), history[slots])
@@ -174,10 +183,12 @@ class Engram(nn.Module):
             rows = dequantize_fp8_block(rows, scales, (1, ROW_SCALE_BLOCK), self.dtype)
         return rows.to(self.dtype).view(ids.shape[0], -1)
 
-    def forward(self, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """streams [T, hc_mult, D], rows [T, cols*head_dim] from `gather` -> updated streams."""
+    def forward(self, streams: torch.Tensor, rows: torch.Tensor, dead_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """streams [T, hc_mult, D], rows [T, cols*head_dim] from `gather` -> updated streams. `dead_rows`
+        (int64, image-span tokens) keep their streams: the gate is 0 at a DEAD token."""
         kv = self.wkv(rows.to(streams.dtype))
         key = kv[:, : self.hc_mult * self.hidden].view(-1, self.hc_mult, self.hidden)
         value = kv[:, self.hc_mult * self.hidden:]
         weight = self.q_weight.float() * self.k_weight.float()
-        return self.ops.engram_gate(streams, key, value, weight, self.eps)
+        out = self.ops.engram_gate(streams, key, value, weight, self.eps)
+        return out if dead_rows is None else out.index_copy(0, dead_rows, streams[dead_rows])

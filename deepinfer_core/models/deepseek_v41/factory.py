@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deepinfer_core.models.deepseek_v4.factory import RMSNorm
+from deepinfer_core.models.deepseek_v4.factory import ExpertFilter, RMSNorm
 from deepinfer_core.models.deepseek_v4.linear import Linear, WeightFormat, empty_param
 from deepinfer_core.platform.kernel_ops import KernelOps
 
@@ -28,10 +28,14 @@ class ModuleFactory:
     device: torch.device
     kv: KvQuantizer
     trace: Trace
+    expert_filter: ExpertFilter | None = None
 
     @property
     def config(self) -> DeepseekV41TextConfig:
         return self.full_config.text_config
+
+    def holds_expert(self, layer_idx: int, expert: int) -> bool:
+        return self.expert_filter is None or self.expert_filter(layer_idx, expert)
 
     def linear(self, in_features: int, out_features: int, *, quantizable: bool, expert: bool = False) -> Linear:
         """A projection; `quantizable` marks those the release stores in fp8 (MODEL_SPEC_V41 §13)."""

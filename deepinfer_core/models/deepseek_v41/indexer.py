@@ -29,6 +29,15 @@ def candidate_mask(scores: torch.Tensor, visible_counts: torch.Tensor, top_block
     return keep.repeat_interleave(block_size, dim=-1)[..., :n]
 
 
+def _top_entries(scores: torch.Tensor, k: int, stable: bool) -> torch.return_types.topk:
+    """Per row, the k best scores and their entries; `stable` (batch-invariant mode) breaks ties by the
+    lowest entry index instead of topk's unspecified order."""
+    if not stable:
+        return scores.topk(k, dim=-1)
+    ordered = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return torch.return_types.topk((ordered.values[:, :k], ordered.indices[:, :k]))
+
+
 class Indexer(nn.Module):
     """`wq_b`, `weights_proj`; on a KV source also `wk`, `k_norm` (keys from the pre-RoPE latent)."""
 
@@ -77,7 +86,7 @@ class Indexer(nn.Module):
                 self.trace.record(f"candidates.layer{self.layer}.seq{i}", band.candidates[i])
             elif self.uses_candidates and i in band.candidates:
                 scores = scores.masked_fill(~band.candidates[i], float("-inf"))
-            top = scores.topk(min(self.topk, n_entries), dim=-1)
+            top = _top_entries(scores, min(self.topk, n_entries), ops.batch_invariant)
             picks = torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1))
             selected[rows, : picks.shape[1]] = picks
         self.trace.record(f"index_topk.layer{self.layer}", selected)
