@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from deepinfer_core import envs
 from deepinfer_core.speculative.config import SpeculativeConfig
 
-__all__ = ["EngineConfig", "SchedulerConfig"]
+__all__ = ["EngineConfig", "ParallelConfig", "PrefixCachingConfig", "SchedulerConfig"]
 
 
 class SchedulerConfig(BaseModel):
@@ -23,6 +23,60 @@ class SchedulerConfig(BaseModel):
     )
     async_scheduling: bool = Field(
         True, description="Prepare step N+1 on the host while the device runs step N."
+    )
+
+
+class ParallelConfig(BaseModel):
+    """How many processes serve one `LLM` and how the model is split over them.
+
+    Ranks: `dp` when dp > 1 (ep must divide it: EP groups of `ep` consecutive DP ranks), else `ep`,
+    or `cp` for context parallelism (which does not combine with ep or dp > 1 yet).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ep: int = Field(1, ge=1, description="Expert parallelism: ranks each MoE layer's experts are spread over.")
+    dp: int = Field(
+        1, ge=1, description="Attention data parallelism: ranks that each own a share of the requests and their "
+        "own KV cache; 1 = every rank runs every request.",
+    )
+    cp: int = Field(1, ge=1, description="Context parallelism: ranks a prefill's tokens are split over.")
+    num_redundant_experts: int = Field(
+        0, ge=0, description="Extra expert slots per MoE layer of an EP group, holding copies of busy experts.",
+    )
+    eplb_interval_steps: int | None = Field(
+        None, ge=1, description="Re-place experts by the observed load every this many steps; None = never.",
+    )
+    timeout_s: float = Field(
+        600.0, gt=0.0, description="Longest a rank may wait in one collective, and spawned ranks to load the model.",
+    )
+
+    @property
+    def world_size(self) -> int:
+        if self.cp > 1:
+            return self.cp
+        return self.dp if self.dp > 1 else self.ep
+
+
+class PrefixCachingConfig(BaseModel):
+    """Reuse of the cached state of earlier prompts' prefixes (engine/prefix_cache.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(
+        False, description="Start a new request after the longest cached prefix of its prompt. Off by default: "
+        "exact mode ends one prefill chunk at each prompt's last block boundary (one more step before the "
+        "first token) and keeps a slot-sized window snapshot per cached prompt.",
+    )
+    reuse: Literal["exact", "bounded"] = Field(
+        "exact", description="exact: restore every layer's window state from a snapshot (same output as "
+        "without reuse); bounded: recompute the hit's last decoder_replay_span tokens with no window KV "
+        "before them (approximate; DeepSeek-V4.1 only).",
+    )
+    decoder_replay_span: int = Field(140, ge=0, description="bounded mode: tokens of a hit recomputed.")
+    num_snapshots: int | None = Field(
+        None, ge=1, description="exact mode: window snapshots kept (each costs one sequence slot of KV memory); "
+        "None = max_num_seqs.",
     )
 
 
@@ -69,4 +123,6 @@ class EngineConfig(BaseModel):
     speculative: SpeculativeConfig | None = Field(
         None, description="Draft with the checkpoint's MTP layer and verify in one step; None = off."
     )
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    prefix_caching: PrefixCachingConfig = Field(default_factory=PrefixCachingConfig)
 

@@ -1,11 +1,14 @@
 """Generate completions for a batch of prompts and print what the engine did.
 
     python examples/offline_inference.py [--model_name ID_OR_PATH] [--max_tokens N] [--temperature T]
-                                         [--speculative-k K [--speculative-threshold T]]
+                                         [--speculative-k K [--speculative-threshold T | --speculative-survival P]]
+                                         [--ep N] [--dp N] [--num-redundant-experts N] [--eplb-interval N]
 
 The model is `--model_name`, else DEEPINFER_HF_MODEL_DIR, else (on a machine whose backend is the
 `cpu` one) a tiny random checkpoint written on first use to ~/.cache/deepinfer/tiny-deepseek-v4,
-else the default hub checkpoint. DEEPINFER_ACCELERATOR picks the backend.
+else the default hub checkpoint (DeepSeek-V4.1-Flash-1017). DEEPINFER_ACCELERATOR picks the backend.
+`--speculative-k K` drafts with the checkpoint's own drafter (MTP for V4, DSpark for V4.1). `--ep N` / `--dp N` serve it
+from several processes (expert / attention data parallelism), spawned here, one per rank.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import argparse
 from pathlib import Path
 
 from deepinfer_core import LLM, SamplingParams, SpeculativeConfig, envs
+from deepinfer_core.model_config import load_model_config
+from deepinfer_core.weights.resolve import resolve_model_path
 from deepinfer_core.platform.registry import select_backend
 
 PROMPTS = [
@@ -56,16 +61,27 @@ def main() -> None:
     parser.add_argument("--speculative-k", type=int, default=0,
                         help="draft up to K tokens per step with the checkpoint's MTP layer (0 = off)")
     parser.add_argument("--speculative-threshold", type=float, default=0.0,
-                        help="stop drafting once a draft's own probability falls below this")
+                        help="MTP: stop drafting once a draft's own probability falls below this")
+    parser.add_argument("--speculative-survival", type=float, default=0.0,
+                        help="DSpark: verify drafts while their prefix survival probability stays above this")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism: ranks the experts are spread over")
+    parser.add_argument("--dp", type=int, default=1, help="attention data parallelism: ranks the requests are split over")
+    parser.add_argument("--num-redundant-experts", type=int, default=0, help="extra expert slots per EP group (EPLB)")
+    parser.add_argument("--eplb-interval", type=int, default=None, help="re-place experts every N steps (EPLB)")
     args = parser.parse_args()
+    model = pick_model(args.model_name, args.accelerator)
     speculative = None
     if args.speculative_k:
-        speculative = SpeculativeConfig(num_draft_tokens=args.speculative_k,
-                                        confidence_threshold=args.speculative_threshold)
-
-    model = pick_model(args.model_name, args.accelerator)
+        # the checkpoint's own drafter: V4's MTP layer, V4.1's DSpark stages
+        if load_model_config(resolve_model_path(model)).model_type.startswith("deepseek_v41"):
+            speculative = SpeculativeConfig(method="dspark", num_draft_tokens=args.speculative_k,
+                                            min_survival_probability=args.speculative_survival)
+        else:
+            speculative = SpeculativeConfig(num_draft_tokens=args.speculative_k,
+                                            confidence_threshold=args.speculative_threshold)
     llm = LLM(model, accelerator=args.accelerator, dtype=args.dtype, max_model_len=args.max_model_len,
-              async_scheduling=not args.no_async, speculative=speculative)
+              async_scheduling=not args.no_async, speculative=speculative, ep=args.ep, dp=args.dp,
+              num_redundant_experts=args.num_redundant_experts, eplb_interval_steps=args.eplb_interval)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.num_prompts)]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     outputs = llm.generate(prompts, params)
@@ -73,7 +89,9 @@ def main() -> None:
     print(f"\nmodel {llm.checkpoint_dir} on backend {llm.backend.name} ({llm.backend.device}), {llm.dtype}")
     for output in outputs:
         print(f"\nprompt:     {output.prompt!r}\ncompletion: {output.outputs[0].text!r}")
-    s = llm.engine.stats.summary()
+    s = llm.rank_summaries()[0]
+    if args.ep > 1 or args.dp > 1:
+        print(f"\n{args.ep=} {args.dp=}: the figures below are rank 0's; EPLB re-placements: {llm.eplb_records()}")
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(
         f"\n{len(outputs)} requests, {generated} tokens generated in {s['steps']} steps "

@@ -15,15 +15,6 @@ from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
 PROMPT = {"prompt_token_ids": [40, 41, 300, 7, 99]}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread avoids OpenMP spin-waits that cost 10x on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint: Path) -> LLM:
     return LLM(str(tiny_checkpoint), accelerator="cpu", dtype="float32", max_num_seqs=8,
@@ -171,8 +162,13 @@ def test_diagnostics_are_recorded(llm: LLM) -> None:
 
 
 def test_batch_invariant_mode_needs_a_backend_that_claims_it(tiny_checkpoint: Path, monkeypatch) -> None:
-    from deepinfer_core.platform.errors import CapabilityUnavailable
+    from dataclasses import replace
 
+    from deepinfer_core.platform.errors import CapabilityUnavailable
+    from deepinfer_core.reference.backend import CpuBackend
+
+    claimed = CpuBackend.capabilities  # cpu claims the mode: stand in for a backend (ascend) that does not
+    monkeypatch.setattr(CpuBackend, "capabilities", lambda self: replace(claimed(self), batch_invariant=False))
     with pytest.raises(CapabilityUnavailable, match="backend 'cpu' does not claim them"):
         LLM(str(tiny_checkpoint), accelerator="cpu", num_kv_blocks=64, batch_invariant=True)
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")

@@ -28,15 +28,6 @@ def prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread avoids OpenMP spin-waits that cost 10x on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny checkpoint with index_topk above the entry count of the longest sequence (60).

@@ -14,15 +14,6 @@ TARGET = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, seed=
 TARGET_PROMPT = {"prompt_token_ids": [17, 301, 5, 88, 123, 9, 44]}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread avoids OpenMP spin-waits that cost 10x on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_llm(checkpoint: Path, **options) -> LLM:
     defaults = dict(accelerator="cpu", dtype="float32", max_num_seqs=32, max_num_batched_tokens=64,
                     num_kv_blocks=400, max_model_len=512)

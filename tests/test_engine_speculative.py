@@ -28,15 +28,6 @@ SMALL_POOL = 24    # KV blocks of 8 tokens: not enough for every sequence at onc
 LOGPROB_TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread avoids OpenMP spin-waits that cost 10x on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def prompts(tiny_checkpoint: Path) -> list[dict]:
     gen = torch.Generator().manual_seed(5)
@@ -181,3 +172,51 @@ def test_scheduler_verifies_drafts_within_the_budget() -> None:
     seq.resolve_pending(9)      # draft 1 accepted, then the target's own token
     seq.append_accepted(12)
     assert seq.num_computed_tokens == 5 and seq.num_uncomputed_tokens == 1
+
+
+# Issue scale: 16 prompts x 200 new tokens, k = 1, 2, 4, several thresholds, async on and off.
+LONG_PROMPT_LENS = [1, 2, 3, 5, 8, 9, 12, 16, 17, 20, 24, 29, 33, 37, 40, 47]
+LONG_NEW_TOKENS = 200
+
+
+def _long_llm(checkpoint: Path, speculative: SpeculativeConfig | None, async_scheduling: bool) -> LLM:
+    return LLM(str(checkpoint), accelerator="cpu", dtype="float32", max_num_seqs=16, max_num_batched_tokens=64,
+               num_kv_blocks=2 * len(LONG_PROMPT_LENS) * 32, async_scheduling=async_scheduling, speculative=speculative)
+
+
+def _long_greedy() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=LONG_NEW_TOKENS, ignore_eos=True, seed=i)
+            for i in range(len(LONG_PROMPT_LENS))]
+
+
+@pytest.fixture(scope="module")
+def long_prompts() -> list[dict]:
+    gen = torch.Generator().manual_seed(9)
+    return [{"prompt_token_ids": torch.randint(2, 200, (n,), generator=gen).tolist()} for n in LONG_PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def long_reference(tiny_checkpoint: Path, long_prompts) -> list[list[int]]:
+    outputs = _long_llm(tiny_checkpoint, None, True).generate(long_prompts, _long_greedy(), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_issue_scale_greedy_identity(tiny_checkpoint, long_prompts, long_reference, k, async_scheduling):
+    """The MTP drafter at a confidence threshold (0 with async, 0.5 without: both kinds of stop), then
+    the oracle drafter (partial acceptance): both token-identical to plain decoding."""
+    threshold = 0.0 if async_scheduling else 0.5
+    spec = SpeculativeConfig(method="mtp", num_draft_tokens=k, confidence_threshold=threshold)
+    llm = _long_llm(tiny_checkpoint, spec, async_scheduling)
+    outputs = llm.generate(long_prompts, _long_greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == long_reference
+
+    llm = _long_llm(tiny_checkpoint, spec, async_scheduling)
+    llm.engine.runner.drafter = OracleDrafter(long_reference, k, llm.model_config.vocab_size)
+    outputs = llm.generate(long_prompts, _long_greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == long_reference
+    # right for (output index % (k+1)) drafts: each step then starts where the oracle is right for some
+    # drafts (which lengths recur depends on k), so drafts are accepted and steps emit over one token
+    stats = llm.engine.stats.speculative
+    assert stats.accepted[0] > 0 and stats.tokens_per_step > 1.2

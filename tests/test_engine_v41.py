@@ -33,15 +33,6 @@ GREEDY_TOKENS = 32
 TOKEN_BUDGET = 40  # < every prompt but the first: chunked prefill, chunks split groups and blocks
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread avoids OpenMP spin-waits that cost 10x on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @lru_cache(maxsize=None)
 def engine(name: str, kv_cache_dtype: str, async_scheduling: bool) -> LLM:
     return LLM(

@@ -36,6 +36,7 @@ from torch import nn
 
 from deepinfer_core.models.deepseek_v4.moe import MoE
 from deepinfer_core.models.deepseek_v41.moe import MoE as MoEV41
+from deepinfer_core.models.deepseek_v41.moe import route as route_v41
 from deepinfer_core.platform.interfaces import Communicator
 from deepinfer_core.platform.kernel_ops import MlpWeights
 
@@ -90,30 +91,41 @@ class ExpertParallelMoE(nn.Module):
         table, copies = placement.replicas(self.layer)
         self._slot_table, self._copies = table.to(device), copies.to(device)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, D]; `input_ids` [T] feed V4's hash routing (V4.1 blocks pass none)."""
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor | None = None, image_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, D]; `input_ids` [T] feed V4's hash routing (V4.1 blocks pass none); `image_rows`: V4.1's
+        image-span rows (routed with `bias_vl`)."""
         if not self.tokens_replicated:
-            return self._moe(x, input_ids)
+            return self._moe(x, input_ids, image_rows)
         share = -(-x.shape[0] // self.comm.world_size)
         mine = slice(self.comm.rank * share, (self.comm.rank + 1) * share)
-        out = self._moe(x[mine], None if input_ids is None else input_ids[mine])
+        my_image_rows = None
+        if image_rows is not None:
+            inside = (image_rows >= mine.start) & (image_rows < mine.stop)
+            my_image_rows = image_rows[inside] - mine.start
+        out = self._moe(x[mine], None if input_ids is None else input_ids[mine], my_image_rows)
         padded = out.new_zeros((share, x.shape[1]))
         padded[: out.shape[0]] = out
         return self.comm.all_gather(padded)[: x.shape[0]]
 
-    def _route(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route(
+        self, x: torch.Tensor, input_ids: torch.Tensor | None, image_rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         c, gate = self.config, self.gate
         if self.prescaled:
-            return self.ops.route_fp32(x, gate.weight, gate.bias, c.num_experts_per_tok, c.routed_scaling_factor, c.gate_temp)
+            return route_v41(self.ops, gate, c, x, image_rows)
         return self.ops.route(
             x, gate.weight, c.num_experts_per_tok, c.routed_scaling_factor, c.scoring_func,
             bias=gate.bias, tid2eid=gate.tid2eid, input_ids=input_ids,
         )
 
-    def _moe(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
+    def _moe(
+        self, x: torch.Tensor, input_ids: torch.Tensor | None, image_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         c, ops, comm = self.config, self.ops, self.comm
         experts_op = ops.fused_moe_prescaled if self.prescaled else ops.fused_moe
-        weights, ids = self._route(x, input_ids)
+        weights, ids = self._route(x, input_ids, image_rows)
         tokens, k = ids.shape
         per_rank = self.placement.slots_per_rank
         slots = self._pick_slots(ids).flatten()

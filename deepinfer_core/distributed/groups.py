@@ -4,7 +4,8 @@ Ranks are numbered 0..world_size-1. Attention is either replicated (dp = 1: ever
 requests) or data-parallel over every rank (dp = world_size: each rank owns its requests and its KV
 cache). MoE layers are expert-parallel over groups of `ep` consecutive ranks; each group holds every
 expert once plus `num_redundant_experts` extra copies, `(n_routed_experts + num_redundant_experts) / ep`
-expert slots a rank. Context parallelism is not part of this layout yet.
+expert slots a rank. Context parallelism (cp > 1) is its own layout: every rank runs the same
+requests and splits each step's rows (`context_parallel.py`); it is not combined with ep or dp.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from typing import Any
 
 from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_core.engine.grammar import PendingGrammar
+from deepinfer_core.engine.images import PromptImages
 from deepinfer_core.engine.kv_cache import KVPoolTooSmallError
 from deepinfer_core.engine.model_runner import ModelRunner, StepResult
 from deepinfer_core.engine.outputs import CompletionOutput, RequestOutput
@@ -125,10 +126,19 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         grammar: PendingGrammar | None = None,
+        request_id: int | None = None,
+        images: PromptImages | None = None,
     ) -> int:
-        """Queue a validated request; returns its id (also the index its unseeded seed derives from)."""
-        request_id = self._num_requests
-        self._num_requests += 1
+        """Queue a validated request; returns its id (also the index its unseeded seed derives from).
+
+        `request_id` defaults to the next unused one; a data-parallel front passes each request's
+        global index, so a rank samples it exactly as a single engine would. `images`: the request's
+        image spans (the prompt already widened) and their vectors, shared by its sequences."""
+        if request_id is None:
+            request_id = self._num_requests
+        elif request_id in self._requests:
+            raise ValueError(f"request id {request_id} is already queued; pass an unused id or none")
+        self._num_requests = max(self._num_requests, request_id + 1)
         base_seed = params.seed if params.seed is not None else derive_seed(self.seed, request_id)
         seqs = []
         for index in range(params.n):
@@ -143,6 +153,7 @@ class LLMEngine:
                 seed=base_seed if index == 0 else derive_seed(base_seed, index),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop),
                 pending_grammar=grammar,
+                images=images,
             )
             self._num_seqs += 1
             seqs.append(seq)

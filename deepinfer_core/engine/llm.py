@@ -3,6 +3,9 @@
 Bad requests are reported before anything runs: `generate` validates every prompt first and raises
 `InvalidRequestError` naming the request's index and what is wrong; nothing is queued then, so the
 other requests are unharmed and the engine stays usable.
+
+With `ep`, `dp` or `cp` above 1 one `LLM` is served by several ranks (`engine/parallel_llm.py`): it
+spawns one process per rank, or, started by torchrun, is one rank itself.
 """
 
 from __future__ import annotations
@@ -13,12 +16,29 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from deepinfer_core.config import EngineConfig, SchedulerConfig
-from deepinfer_core.engine.chat import encode_conversation
+from deepinfer_core.config import EngineConfig, ParallelConfig, PrefixCachingConfig, SchedulerConfig
+from deepinfer_core.engine.chat import encode_conversation, split_images
 from deepinfer_core.engine.engine import LLMEngine
+from deepinfer_core.engine.images import (
+    ImageInputError,
+    PendingImages,
+    PromptImages,
+    checkpoint_has_vision,
+    prompt_images,
+)
 from deepinfer_core.engine.kv_cache import KVCacheManager, plan_kv_pool
 from deepinfer_core.engine.model_runner import ModelRunner
+from deepinfer_core.engine.speculation import load_draft_layers
 from deepinfer_core.engine.outputs import RequestOutput
+from deepinfer_core.engine.parallel_llm import (
+    EplbRecord,
+    RankRuntime,
+    SpawnedRanks,
+    check_parallel,
+    is_rank_process,
+    local_rank,
+)
+from deepinfer_core.engine.prefix_cache import prefix_reuse_for
 from deepinfer_core.engine.sampling_params import SamplingParams
 from deepinfer_core.engine.scheduler import Scheduler
 from deepinfer_core.engine.structured import InvalidGrammarError
@@ -40,6 +60,21 @@ class InvalidRequestError(ValueError):
 
 
 class LLM:
+    """Offline generation on one backend, or over several ranks.
+
+    Parallelism (see `engine/parallel_llm.py` and `config.ParallelConfig`):
+    - `ep`: expert parallelism, each MoE layer's experts spread over `ep` ranks (each loads only its own);
+    - `dp`: attention data parallelism, requests split over `dp` ranks, each with its own KV cache
+      (ep must divide dp; the run has dp ranks, else ep);
+    - `cp`: context parallelism over `cp` ranks (alone for now);
+    - `num_redundant_experts`: extra expert slots per layer of an EP group for copies of busy experts;
+    - `eplb_interval_steps`: re-place experts by the observed load every this many steps (None = never);
+    - `parallel_timeout_s`: the longest a rank may wait in a collective (a hung peer fails the run in
+      this time; a dead one at once) and spawned ranks may take to load the model.
+    Outside torchrun, ranks are spawned processes: a dead or hung rank raises `RankFailed` /
+    `LaunchTimeout`; call `shutdown()` to stop them early (they stop with the `LLM` otherwise).
+    """
+
     def __init__(
         self,
         model: str | None = None,
@@ -56,8 +91,18 @@ class LLM:
         kv_cache_dtype: str = "auto",
         speculative: SpeculativeConfig | None = None,
         batch_invariant: bool | None = None,
+        ep: int = 1,
+        dp: int = 1,
+        cp: int = 1,
+        num_redundant_experts: int = 0,
+        eplb_interval_steps: int | None = None,
+        parallel_timeout_s: float = 600.0,
+        enable_prefix_caching: bool = False,
+        prefix_reuse: str = "exact",
+        decoder_replay_span: int = 140,
+        num_prefix_snapshots: int | None = None,
     ) -> None:
-        self.config = EngineConfig(
+        config = EngineConfig(
             model=model,
             accelerator=accelerator,
             dtype=dtype,
@@ -73,21 +118,45 @@ class LLM:
                 async_scheduling=async_scheduling,
             ),
             speculative=speculative,
+            parallel=ParallelConfig(ep=ep, dp=dp, cp=cp, num_redundant_experts=num_redundant_experts,
+                                    eplb_interval_steps=eplb_interval_steps, timeout_s=parallel_timeout_s),
             **({} if batch_invariant is None else {"batch_invariant": batch_invariant}),
+            prefix_caching=PrefixCachingConfig(enabled=enable_prefix_caching, reuse=prefix_reuse,
+                                               decoder_replay_span=decoder_replay_span,
+                                               num_snapshots=num_prefix_snapshots),
         )
-        self._grammar_compiler: GrammarCompiler | None = None
-        self.engine = self._build_engine(self.config)
+        self._start(config)
 
-    def _build_engine(self, config: EngineConfig) -> LLMEngine:
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An `LLM` from a validated config (how spawned ranks build theirs)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.config = config
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._rank: RankRuntime | None = None
+        self._workers: SpawnedRanks | None = None
+        if config.parallel.world_size > 1 and not is_rank_process():
+            self._describe(config, device_index=0)
+            # Bad rank counts fail here, before any process starts.
+            check_parallel(config.parallel, self.model_config, speculative=config.speculative is not None)
+            self.engine = None
+            self._workers = SpawnedRanks(config, self.backend, recoverable=(InvalidRequestError,))
+        else:
+            self.engine = self._build_engine(config)
+
+    def _describe(self, config: EngineConfig, device_index: int) -> None:
+        """The checkpoint, backend, dtype and tokenizer: what a driver needs without the model."""
         from deepinfer_core.model_config import load_model_config
-        from deepinfer_core.models.registry import cache_class_for, kv_cache_options, model_class_for
         from deepinfer_core.platform.registry import select_backend
-        from deepinfer_core.weights.loader import load_model_weights
         from deepinfer_core.weights.resolve import resolve_model_path
 
         self.checkpoint_dir = resolve_model_path(config.model)
         self.model_config = load_model_config(self.checkpoint_dir)
-        self.backend = select_backend(config.accelerator)
+        self.backend = select_backend(config.accelerator, device_index)
         self.capabilities = self.backend.capabilities()
         if config.batch_invariant and not self.capabilities.batch_invariant:
             raise CapabilityUnavailable(
@@ -96,15 +165,36 @@ class LLM:
                 "capabilities); turn the mode off"
             )
         self.dtype = self._resolve_dtype(config.dtype)
+        self.tokenizer = _load_tokenizer(self.checkpoint_dir)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+
+    def _build_engine(self, config: EngineConfig) -> LLMEngine:
+        from deepinfer_core.models.registry import cache_class_for, kv_cache_options, model_class_for
+        from deepinfer_core.weights.loader import load_model_weights
+
+        parallel = config.parallel.world_size > 1
+        self._describe(config, device_index=local_rank() if parallel else 0)
+        if parallel:
+            self._rank = RankRuntime(config.parallel, self.model_config, self.backend,
+                                     speculative=config.speculative is not None)
+        experts = self._rank.model_options() if parallel else {}  # this rank's experts only
         kv_options = kv_cache_options(self.model_config, config.kv_cache_dtype)
-        model = model_class_for(self.model_config)(self.model_config, self.backend.ops(), self.dtype,
-                                                  self.backend.device, **kv_options)
-        load_model_weights(model, self.checkpoint_dir)
+        ops = self.backend.ops()
+        ops.batch_invariant = config.batch_invariant  # the runner samples with these same ops (model.ops)
+        vision = {"vision": True} if checkpoint_has_vision(self.checkpoint_dir) else {}  # V4.1's tower
+        model = model_class_for(self.model_config)(self.model_config, ops, self.dtype, self.backend.device,
+                                                  **kv_options, **experts, **vision)
+        if parallel:
+            self._rank.before_load(model)
+        load_model_weights(model, self.checkpoint_dir, **experts)
+        if parallel:
+            self._rank.after_load(model)
         if hasattr(model, "bind_tokenizer_dir"):  # V4.1's engram layers hash the tokenizer's vocabulary
             model.bind_tokenizer_dir(self.checkpoint_dir)
         self.model = model.eval()
-        self.tokenizer = _load_tokenizer(self.checkpoint_dir)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        # V4.1's DSpark layers load before the KV pool is sized from the free memory
+        draft_layers = None if config.speculative is None else load_draft_layers(model, config.speculative,
+                                                                                 self.checkpoint_dir)
 
         cache_cls = cache_class_for(self.model_config)
         multiple = cache_cls.block_size_multiple(self.model_config)
@@ -114,6 +204,7 @@ class LLM:
                              f"model's compress ratios)")
         memory = self.backend.memory()
         num_slots = config.scheduler.max_num_seqs
+        reuse = prefix_reuse_for(config, self.model_config)
         plan = plan_kv_pool(
             bytes_per_block=cache_cls.bytes_per_block(self.model_config, block_size, self.dtype, **kv_options),
             bytes_per_slot=cache_cls.bytes_per_slot(self.model_config, self.dtype, **kv_options),
@@ -122,10 +213,12 @@ class LLM:
             available_bytes=int(memory.memory_info().free_bytes * config.kv_cache_memory_fraction),
             num_blocks=config.num_kv_blocks,
             max_useful_blocks=num_slots * -(-self.max_model_len // block_size),
+            num_snapshots=0 if reuse is None else reuse.num_snapshots,
         )
         cache = cache_cls(self.model_config, num_blocks=plan.num_blocks, block_size=plan.block_size,
-                          num_slots=plan.num_slots, dtype=self.dtype, allocate=memory.allocate, **kv_options)
-        self.kv = KVCacheManager(plan)
+                          num_slots=plan.num_slots + plan.num_snapshots, dtype=self.dtype, allocate=memory.allocate,
+                          **kv_options)
+        self.kv = KVCacheManager(plan, reuse)
         eos = self.model_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -133,7 +226,7 @@ class LLM:
         return LLMEngine(
             scheduler=Scheduler(config.scheduler, self.kv),
             runner=ModelRunner(self.model, cache, self.backend, config.scheduler.max_num_seqs,
-                               config.speculative),
+                               config.speculative, draft_layers=draft_layers),
             tokenizer=self.tokenizer,
             eos_token_ids=eos_ids,
             max_model_len=self.max_model_len,
@@ -157,15 +250,36 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in the order of `prompts`."""
+        """Complete every prompt; outputs come back in the order of `prompts`. Over several ranks
+        under torchrun, every rank calls it with the same prompts and gets every output.
+
+        A prompt is a str, {"prompt": str} or {"prompt_token_ids": [...]}; a dict may add "images" (a list,
+        or "multi_modal_data": {"image": ...}) with one image token per image in the prompt (engine/images.py)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
+        if self._workers is not None:
+            return self._workers.generate(list(prompts), params)
         requests = [self._validated(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        images = self._embedded_images([request[4] for request in requests])
+        requests = [request[:4] for request in requests]
+        if self._rank is not None:
+            return self._rank.generate(self.engine, requests, use_tqdm)
         order = {}
-        for index, (text, token_ids, sp, grammar) in enumerate(requests):
-            order[self.engine.add_request(token_ids, sp, text, grammar)] = index
+        for index, ((text, token_ids, sp, grammar), request_images) in enumerate(zip(requests, images)):
+            with_images = {} if request_images is None else {"images": request_images}
+            order[self.engine.add_request(token_ids, sp, text, grammar, **with_images)] = index
         return self._run(order, use_tqdm)
+
+    def _embedded_images(self, pending: list[PendingImages | None]) -> list[PromptImages | None]:
+        """Run the vision tower over every validated request's images (one call for all of them)."""
+        flat = [image for request in pending if request is not None for image in request.images]
+        if not flat:
+            return [None] * len(pending)
+        spans = iter(self.model.embed_images([i.patches for i in flat], [i.grid for i in flat]))
+        return [None if request is None else
+                PromptImages(request.spans, torch.cat([next(spans) for _ in request.images]))
+                for request in pending]
 
     def chat(
         self,
@@ -179,18 +293,46 @@ class LLM:
 
         Rendered with the tokenizer's chat template when it has one, else with deepseek-recipe's
         encoding for the checkpoint's model_type; `thinking_mode` and `reasoning_effort` are
-        deepseek-recipe's options.
+        deepseek-recipe's options. A user message's content may be a list of OpenAI-style parts with
+        images ({"type": "image_url", "image_url": {"url": "data:..."}} or {"type": "image", "image": <PIL
+        image, local path, bytes>}) for a model with a vision tower.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            {"prompt_token_ids": encode_conversation(
+        image_token = self._image_token()
+        prompts = []
+        for conversation in conversations:
+            conversation, images = split_images(conversation, image_token)
+            token_ids = encode_conversation(
                 conversation, tokenizer=self.tokenizer, checkpoint_dir=self.checkpoint_dir,
                 model_type=self.model_config.model_type, thinking_mode=thinking_mode,
-                reasoning_effort=reasoning_effort,
-            )}
-            for conversation in conversations
-        ]
+                reasoning_effort=reasoning_effort, image_token=image_token,
+            )
+            prompts.append({"prompt_token_ids": token_ids, **({"images": images} if images else {})})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _image_token(self) -> str | None:
+        """The tokenizer's spelling of the config's image token id (None: the model takes no images)."""
+        image_token_id = getattr(self.model_config, "image_token_id", None)
+        if image_token_id is None or self.tokenizer is None or image_token_id >= len(self.tokenizer):
+            return None
+        return self.tokenizer.convert_ids_to_tokens(image_token_id)
+
+    def rank_summaries(self) -> list[dict[str, float]]:
+        """Engine statistics (`EngineStats.summary()`) of each rank this process runs or drives."""
+        if self._workers is not None:
+            return self._workers.rank_summaries()
+        return [self.engine.stats.summary()]
+
+    def eplb_records(self) -> list[EplbRecord]:
+        """The expert re-placements EPLB made so far, oldest first (none without eplb_interval_steps)."""
+        if self._workers is not None:
+            return self._workers.eplb_records()
+        return [] if self._rank is None else list(self._rank.eplb_records)
+
+    def shutdown(self) -> None:
+        """Stop the spawned rank processes now (a no-op in one process); the LLM is unusable after."""
+        if self._workers is not None:
+            self._workers.close()
 
     def _run(self, order: dict[int, int], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
@@ -206,7 +348,7 @@ class LLM:
 
     def _validated(
         self, index: int, prompt: Prompt, params: SamplingParams
-    ) -> tuple[str | None, list[int], SamplingParams, PendingGrammar | None]:
+    ) -> tuple[str | None, list[int], SamplingParams, PendingGrammar | None, PendingImages | None]:
         def fail(problem: str) -> InvalidRequestError:
             return InvalidRequestError(f"request {index}: {problem}; no request was run")
 
@@ -216,8 +358,21 @@ class LLM:
             text, token_ids = prompt, list(self.tokenizer.encode(prompt))
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and self.tokenizer is not None:
+            text, token_ids = prompt["prompt"], list(self.tokenizer.encode(prompt["prompt"]))
         else:
-            raise fail(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+            raise fail(f"a prompt is a str, {{'prompt': str}} or {{'prompt_token_ids': [...]}} (either dict may add "
+                       f"'images'), got {type(prompt).__name__}")
+        try:
+            token_ids, images = prompt_images(prompt, token_ids, self.model, self.model_config)
+        except ImageInputError as error:
+            raise fail(str(error)) from error
+        if images is not None and self._rank is not None:
+            raise fail("images are not supported over several ranks (ep/dp/cp > 1)")
+        budget = self.engine.scheduler.config.max_num_batched_tokens
+        if images is not None and images.end > budget:
+            raise fail(f"the prompt's image spans end at token {images.end}, beyond max_num_batched_tokens {budget}: "
+                       "an image is prefilled in one step; raise max_num_batched_tokens or use smaller images")
         vocab = self.model_config.vocab_size
         if not token_ids:
             raise fail("the prompt is empty")
@@ -247,7 +402,7 @@ class LLM:
                 grammar = self._grammars().submit(params.structured_output)
             except InvalidGrammarError as error:
                 raise fail(str(error)) from error
-        return text, token_ids, params, grammar
+        return text, token_ids, params, grammar, images
 
     def _grammars(self) -> GrammarCompiler:
         """Built on the first structured request: xgrammar's vocabulary scan takes ~2 s on a

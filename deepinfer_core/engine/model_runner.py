@@ -20,21 +20,23 @@ from typing import Any
 import torch
 
 from deepinfer_core.engine.grammar_bitmask import GrammarBitmask
+from deepinfer_core.engine.prefix_cache import restore_slot_state
 from deepinfer_core.engine.sampler import SamplingTensors, compute_logprobs
 from deepinfer_core.engine.scheduler import ScheduledSeq
 from deepinfer_core.engine.sequence import PENDING, Sequence
 from deepinfer_core.engine.speculation import (
     SpeculativePlan,
+    build_drafter,
     kept_context,
     plan_step,
     propose_sampling,
+    target_rollback,
 )
-from deepinfer_core.models.deepseek_v4.rollback import RingSnapshot, ring_tensors
+from deepinfer_core.models.deepseek_v41.image_span import StepImages
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.interfaces import Backend
 from deepinfer_core.speculative import (
     Draft,
-    MtpDrafter,
     SpeculativeConfig,
     Verification,
     verify,
@@ -62,6 +64,7 @@ class PreparedStep:
     num_sample_rows: int                            # logits rows of the sampling sequences (1 + drafts each)
     speculative: SpeculativePlan | None = None
     engram_rows: dict[int, torch.Tensor] | None = None  # V4.1: engram table rows gathered in `prepare`
+    images: StepImages | None = None                # V4.1: the step's image-span rows and vectors
 
 
 @dataclass(slots=True)
@@ -71,7 +74,7 @@ class LaunchedForward:
     start_event: Any
     launch_s: float
     streams: torch.Tensor | None = None             # speculative: the drafter's input
-    snapshot: RingSnapshot | None = None            # speculative: ring rows the verified positions overwrote
+    snapshot: Any = None                            # speculative: target state the verified positions overwrote
 
 
 @dataclass(slots=True)
@@ -131,20 +134,23 @@ class StepResult:
 class ModelRunner:
     def __init__(
         self, model: Any, cache: Any, backend: Backend, max_num_seqs: int,
-        speculative: SpeculativeConfig | None = None,
+        speculative: SpeculativeConfig | None = None, draft_layers: Any = None,
     ) -> None:
         self.model = model
         self.cache = cache
-        self.ops = backend.ops()
+        self.ops = model.ops  # the model's own ops object: it carries the engine's batch-invariant mode
         self.memory = backend.memory()
         self.device = backend.device
         self.copy_stream = self.memory.new_stream()
         self.max_num_seqs = max_num_seqs
         self._grammar_bitmask: GrammarBitmask | None = None
         self.speculative = speculative
-        # Raises MtpUnavailable for a checkpoint without MTP layers or rings too short for k.
-        self.drafter = None if speculative is None else MtpDrafter(model, cache, speculative)
-        self._main_rings = [] if speculative is None else ring_tensors(cache.layers[: model.config.num_hidden_layers])
+        # Raises MtpUnavailable / DSparkUnavailable for a checkpoint without draft layers or rings too
+        # short for k, SpeculativeMethodMismatch for the other model family's method.
+        self.drafter = None
+        if speculative is not None:
+            self.drafter = build_drafter(model, cache, speculative, self.memory.allocate, draft_layers)
+        self._rollback = None if speculative is None else target_rollback(model, cache)
 
     def prepare(self, scheduled: list[ScheduledSeq], previous: StepResult | None) -> PreparedStep:
         started = time.perf_counter()
@@ -163,8 +169,16 @@ class ModelRunner:
         prompt_lp_seqs: list[tuple[Sequence, int]] = []
         prompt_targets: list[int] = []
         forks: list[tuple[int, int, list[int], list[int]]] = []
+        image_rows: list[int] = []
+        image_vectors: list[torch.Tensor] = []
         for item in scheduled:
             seq, first = item.seq, len(input_ids)
+            if seq.images is not None:
+                offsets, vectors = seq.images.rows_between(item.start, item.start + item.num_tokens)
+                image_rows.extend(first + offset for offset in offsets)
+                image_vectors.extend(vectors)
+            if item.prefix_hit:  # queued before this step's forward, and before its engram gather below
+                restore_slot_state(self.model, self.cache, seq.slot_id, item.restore_slot, seq.token_ids, item.start)
             tokens = seq.token_ids[item.start:item.start + item.num_tokens - len(item.draft)] + item.draft
             for offset, token in enumerate(tokens):
                 if token == PENDING:
@@ -205,6 +219,7 @@ class ModelRunner:
                 context_lens_cpu=[s.start for s in scheduled],
                 slot_ids_cpu=[s.seq.slot_id for s in scheduled],
                 block_tables_cpu=[list(s.seq.block_table) for s in scheduled],
+                **_replay_bounds(scheduled),
             )
             sampling = None
             if sampling_seqs:
@@ -215,12 +230,16 @@ class ModelRunner:
             speculative = None
             if self.drafter is not None:
                 speculative = plan_step(scheduled, sampling_seqs, self.model.config.vocab_size, self.device)
+            images = None
+            if image_rows:
+                images = StepImages(self._to_device(image_rows, torch.int64), image_rows, torch.cat(image_vectors))
             engram_rows = None
             if not pending_rows and hasattr(self.model, "gather_engram_rows"):
                 # V4.1's engram lookup needs only the tokens: with all of them on the host it runs here,
                 # while the previous step may still be on the device. A step that feeds back the
                 # in-flight sample gathers in its forward instead.
-                engram_rows = self.model.gather_engram_rows(batch, self.cache, torch.tensor(input_ids))
+                dead = {} if images is None else {"dead_rows": image_rows}  # image-span tokens
+                engram_rows = self.model.gather_engram_rows(batch, self.cache, torch.tensor(input_ids), **dead)
             ready = self.memory.new_event()
             ready.record(self.copy_stream)
         return PreparedStep(
@@ -241,6 +260,7 @@ class ModelRunner:
             num_sample_rows=len(logits_rows),
             speculative=speculative,
             engram_rows=engram_rows,
+            images=images,
         )
 
     @torch.inference_mode()
@@ -258,14 +278,19 @@ class ModelRunner:
         snapshot = None
         if step.speculative is not None:
             verified = [1 + len(item.draft) if item.draft else 0 for item in step.scheduled]
-            snapshot = RingSnapshot.take(self._main_rings, batch.slot_ids_cpu, batch.context_lens_cpu, verified)
+            snapshot = self._rollback.take(batch, verified)
         ahead = {} if step.engram_rows is None else {"engram_rows": step.engram_rows}
+        if step.images is not None:
+            ahead["images"] = step.images
         out = self.model.forward(batch, self.cache, **ahead)
         for fork in step.forks:
             self.cache.copy_sequence(*fork)
+        for item in step.scheduled:  # exact prefix reuse: the window state at the end of this chunk
+            if item.snapshot_slot >= 0:
+                self.cache.copy_sequence(item.seq.slot_id, item.snapshot_slot, [], [])
         logits = self.model.compute_logits(out.hidden[batch.logits_indices])
         return LaunchedForward(step, logits, start_event, time.perf_counter() - started,
-                               out.streams if snapshot is not None else None, snapshot)
+                               self.drafter.target_features(out) if snapshot is not None else None, snapshot)
 
     @torch.inference_mode()
     def launch_sampling(self, forward: LaunchedForward) -> StepResult:
@@ -346,7 +371,7 @@ class ModelRunner:
             positions.append(before - item.seq.num_prompt_tokens + emitted)
             max_drafts.append(max(0, min(k, item.seq.max_num_tokens - (before + emitted) - 1)))
         restore = [1 + accepted[row] if item.draft else 0 for item, row in zip(step.scheduled, spec.sampling_index)]
-        forward.snapshot.restore(torch.tensor(restore, dtype=torch.long))
+        forward.snapshot.restore(torch.tensor(restore, dtype=torch.long), self._accepted_tails(step, accepted))
         last = torch.tensor(last_tokens, dtype=torch.long, device=self.device)
         if verification is not None:
             index = torch.tensor([max(r, 0) for r in spec.sampling_index], dtype=torch.long, device=self.device)
@@ -355,6 +380,19 @@ class ModelRunner:
         context = kept_context(step.batch, forward.streams, kept, last)
         draft = self.drafter.propose(context, propose_sampling(step.scheduled, positions, self.device), max_drafts)
         return accepted, self._drafts_per_sampling_seq(draft, spec.sampling_index, len(step.sampling_seqs))
+
+    def _accepted_tails(self, step: PreparedStep, accepted: list[int]) -> list[list[int]]:
+        """Per scheduled item, its last `lookback` tokens up to the last accepted one (the target's
+        rollback rebuilds V4.1's engram look-back from them)."""
+        n = self._rollback.lookback
+        tails = []
+        for item, row in zip(step.scheduled, step.speculative.sampling_index):
+            if not n or not item.draft:
+                tails.append([])
+                continue
+            end = item.start + 1  # the verified rows: the last token at `start`, then the drafts
+            tails.append((item.seq.token_ids[max(0, end - n):end] + item.draft[:accepted[row]])[-n:])
+        return tails
 
     @staticmethod
     def _drafts_per_sampling_seq(
@@ -401,3 +439,13 @@ class ModelRunner:
         staging = self.memory.pinned_buffer((len(rows), width), torch.int32)
         staging.copy_(torch.tensor(rows, dtype=torch.int32))
         return staging.to(self.device, non_blocking=True)
+
+
+def _replay_bounds(scheduled: list[ScheduledSeq]) -> dict[str, list[int]]:
+    """ForwardBatch's bounded-replay fields, where some sequence of the step needs them."""
+    bounds = {}
+    if any(s.seq.window_start for s in scheduled):
+        bounds["window_starts_cpu"] = [s.seq.window_start for s in scheduled]
+    if any(s.start < s.seq.reused_len for s in scheduled):
+        bounds["reused_lens_cpu"] = [s.seq.reused_len for s in scheduled]
+    return bounds

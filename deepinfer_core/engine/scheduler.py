@@ -15,9 +15,18 @@ With speculative decoding a decode sequence holding drafts is scheduled with its
 its drafts (they count against the token budget, and blocks are grown for every position);
 only the last token counts as computed, and the engine adds the accepted drafts once verified.
 
+A sequence with images is admitted only when its first chunk reaches the end of its last image span
+(a waiting sequence starts from position 0), so no image span is split across steps; `LLM` refuses
+prompts whose spans end beyond the token budget. Such a sequence never starts from a cached prefix.
+
 Scheduling is optimistic: a scheduled token counts as computed at once, and a step that samples
 appends a PENDING placeholder, so the next step can be scheduled before this one's tokens are
 known (asynchronous scheduling).
+
+With prefix caching (prefix_cache.py) a sequence admitted from scratch starts after the longest
+cached prefix of its known tokens; in exact mode a prefill chunk ends at the sequence's snapshot
+point so that the step leaves exactly that prefix's window state to copy. Blocks and snapshots a
+round registers become reusable from the next round on.
 """
 
 from __future__ import annotations
@@ -40,6 +49,9 @@ class ScheduledSeq:
     samples: bool           # the chunk reaches the sequence's last token: sample the next one
     forks: list[Sequence] = field(default_factory=list)  # siblings that copy its prompt state after the step
     draft: list[int] = field(default_factory=list)       # drafts verified after the last token (in num_tokens)
+    restore_slot: int = -1    # exact prefix hit: copy this snapshot slot's state into the sequence's slot first
+    snapshot_slot: int = -1   # copy the sequence's slot state here after the step
+    prefix_hit: bool = False  # the sequence starts mid-prompt from cached blocks this step
 
 
 class Scheduler:
@@ -64,7 +76,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            num_tokens = self._chunk(seq, seq.num_computed_tokens, budget)
             if num_tokens == 0 or seq.num_tokens >= seq.max_num_tokens:
                 index += 1  # nothing new to compute, or its in-flight token is its last
                 continue
@@ -90,15 +102,25 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if not self.kv.can_hold(seq, num_tokens):
+            # Image spans carry one token id whatever the image: a prefix match would mix images up.
+            hit = self.kv.match_prefix(seq) if seq.images is None else None
+            start = seq.num_computed_tokens if hit is None else hit.start
+            num_tokens = min(seq.num_tokens - start, budget)
+            if seq.images is not None and num_tokens < seq.images.end:
+                break  # NOTE: image spans are prefilled whole, in the first chunk (MODEL_SPEC_V41 §11)
+            if not self.kv.can_hold(seq, start + num_tokens, hit):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(self._take(seq, num_tokens, forked))
-            budget -= num_tokens
+            self.kv.start_from(seq, hit)
+            item = self._take(seq, self._chunk(seq, start, budget), forked)
+            if hit is not None:
+                item.prefix_hit, item.restore_slot = True, hit.snapshot_slot
+            scheduled.append(item)
+            budget -= item.num_tokens
         self.running.extend(forked)  # after the loops: a fork is never scheduled or preempted twice
+        self.kv.commit()
         return scheduled
 
     def finish(self, seq: Sequence) -> None:
@@ -110,6 +132,15 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         self.kv.release(seq)
 
+    @staticmethod
+    def _chunk(seq: Sequence, start: int, budget: int) -> int:
+        """Tokens to compute from `start`: the rest within `budget`, ending at the snapshot point."""
+        num_tokens = min(seq.num_tokens - start, budget)
+        inside_images = seq.images is not None and seq.snapshot_at < seq.images.end
+        if start < seq.snapshot_at < start + num_tokens and not inside_images:
+            num_tokens = seq.snapshot_at - start
+        return num_tokens
+
     def _take(
         self, seq: Sequence, num_tokens: int, forked: list[Sequence], draft: list[int] | None = None
     ) -> ScheduledSeq:
@@ -118,7 +149,8 @@ class Scheduler:
         self.kv.grow(seq, start + num_tokens)
         seq.num_computed_tokens += num_tokens - len(draft)
         samples = seq.num_computed_tokens == seq.num_tokens
-        item = ScheduledSeq(seq, start, num_tokens, samples, draft=draft)
+        item = ScheduledSeq(seq, start, num_tokens, samples, draft=draft,
+                            snapshot_slot=self.kv.computed(seq, start))
         if samples:
             seq.append_pending()
             if seq.forks:
@@ -146,6 +178,7 @@ class Scheduler:
         self.kv.release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.snapshot_at = seq.window_start = seq.reused_len = 0
         seq.set_draft([], None)  # re-prefilling rebuilds the drafter's caches and drafts anew
         seq.num_preemptions += 1
         self.num_preemptions += 1

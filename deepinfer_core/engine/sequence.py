@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from deepinfer_core.engine.grammar import GrammarMatcher, PendingGrammar
+    from deepinfer_core.engine.images import PromptImages
 
 __all__ = ["PENDING", "SequenceStatus", "Sequence"]
 
@@ -58,6 +59,12 @@ class Sequence:
     draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), V]: what they were drawn from (device)
     num_draft_tokens: int = 0        # speculative: drafts verified so far
     num_accepted_tokens: int = 0     # speculative: of those, accepted by the target
+    images: PromptImages | None = None  # V4.1: the prompt's image spans and their vectors
+    # Prefix caching (prefix_cache.py), set when the sequence is admitted:
+    block_names: list[bytes] = field(default_factory=list)  # chained names of its known tokens' full blocks
+    snapshot_at: int = 0             # exact mode: snapshot the slot state when computed reaches it; 0 = none
+    window_start: int = 0            # bounded replay: no window KV below this position
+    reused_len: int = 0              # bounded replay: the cached entries below this position are kept
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:

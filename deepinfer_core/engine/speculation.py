@@ -8,23 +8,139 @@ token and the accepted drafts of a verifying sequence. Each kept row is followed
 the next position: the next row's input, and after a sequence's last kept row the token the step
 emitted (or, for a prefill chunk that is not the prompt's last, the next chunk's first token).
 
+`load_draft_layers` / `build_drafter` pick the drafter for the method and model family (V4's MTP,
+V4.1's DSpark) and `target_rollback` the target cache's rollback (V4's rings; V4.1's rings, open
+groups and engram look-back, models/deepseek_v41/rollback.py).
+
 NOTE: the engine reads each speculative step's results before it schedules the next one (drafts
 decide the next step's shape), so with speculation the host does not overlap the device.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from deepinfer_core.engine.sampler import SamplingTensors
 from deepinfer_core.engine.scheduler import ScheduledSeq
 from deepinfer_core.engine.sequence import Sequence
+from deepinfer_core.models.deepseek_v4.rollback import RingSnapshot, ring_tensors
 from deepinfer_core.models.forward_batch import ForwardBatch
-from deepinfer_core.speculative import Draft, DraftContext
+from deepinfer_core.speculative import (
+    Draft,
+    DraftContext,
+    Drafter,
+    MtpDrafter,
+    SpeculativeConfig,
+)
 
-__all__ = ["SpeculativePlan", "kept_context", "plan_step", "propose_sampling", "step_draft"]
+__all__ = [
+    "SpeculativeMethodMismatch",
+    "SpeculativePlan",
+    "build_drafter",
+    "kept_context",
+    "load_draft_layers",
+    "plan_step",
+    "propose_sampling",
+    "step_draft",
+    "target_rollback",
+]
+
+
+class SpeculativeMethodMismatch(ValueError):
+    """The speculative method does not match the checkpoint's draft layers."""
+
+
+def load_draft_layers(model, config: SpeculativeConfig, checkpoint_dir: str | Path):
+    """The draft layers `config.method` needs beyond the model's own, loaded from `checkpoint_dir` (call
+    it before planning the KV pool, so the pool is sized after them): DeepSeek-V4.1's DSpark layers
+    (a `DSpark`), or None for MTP, which is part of the V4 model. Raises SpeculativeMethodMismatch
+    when the method is the other model family's, DSparkUnavailable when the checkpoint has no DSpark."""
+    _check_model_family(model, config)
+    if config.method == "mtp":
+        return None
+    from deepinfer_core.models.deepseek_v41.dspark import DSpark, DSparkUnavailable
+    from deepinfer_core.weights.errors import CheckpointMismatch
+    from deepinfer_core.weights.loader import load_model_weights
+
+    dspark = DSpark(model.config, model, model.ops, model.dtype, model.device, kv_cache_dtype=model.kv_cache_dtype)
+    try:
+        load_model_weights(dspark, checkpoint_dir, prefixes=("mtp.",))
+    except CheckpointMismatch as err:
+        raise DSparkUnavailable(f"cannot load the DSpark drafter (`mtp.*`) from {checkpoint_dir}: {err}") from err
+    return dspark.eval()
+
+
+def build_drafter(
+    model, cache, config: SpeculativeConfig, allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
+    draft_layers=None,
+) -> Drafter:
+    """The drafter of `config.method` over `model` and its `cache`: DeepSeek-V4's MTP layer, or
+    DeepSeek-V4.1's DSpark layers from `load_draft_layers` (their window cache allocated here).
+    Raises MtpUnavailable / DSparkUnavailable when the drafter cannot run."""
+    _check_model_family(model, config)
+    if config.method == "mtp":
+        return MtpDrafter(model, cache, config)
+    from deepinfer_core.models.deepseek_v41.dspark import DSparkCache, DSparkUnavailable
+    from deepinfer_core.speculative.dspark_drafter import DSparkDrafter
+
+    if draft_layers is None:
+        raise DSparkUnavailable("method='dspark' needs the DSpark layers: load them with `load_draft_layers`")
+    drafter_cache = DSparkCache(model.config, num_slots=cache.num_slots, dtype=model.dtype, allocate=allocate,
+                                kv_cache_dtype=model.kv_cache_dtype)
+    return DSparkDrafter(draft_layers, drafter_cache, config)
+
+
+def _check_model_family(model, config: SpeculativeConfig) -> None:
+    from deepinfer_core.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    v41 = isinstance(model, DeepseekV41ForCausalLM)
+    if config.method == "mtp" and v41:
+        raise SpeculativeMethodMismatch(
+            "method='mtp' drafts with DeepSeek-V4's MTP layer, but this is a DeepSeek-V4.1 checkpoint, whose "
+            "draft layers are DSpark's: use SpeculativeConfig(method='dspark', ...)"
+        )
+    if config.method == "dspark" and not v41:
+        raise SpeculativeMethodMismatch(
+            f"method='dspark' needs a DeepSeek-V4.1 checkpoint (its `mtp.*` DSpark layers), but the model is "
+            f"{type(model).__name__}: use SpeculativeConfig(method='mtp', ...) for DeepSeek-V4"
+        )
+
+
+class _RingRollback:
+    """DeepSeek-V4: every per-slot ring of the main layers (rollback.py there)."""
+
+    lookback = 0
+
+    def __init__(self, rings: list[torch.Tensor]) -> None:
+        self.rings = rings
+
+    def take(self, batch: ForwardBatch, lengths: list[int]) -> _RingStep:
+        return _RingStep(RingSnapshot.take(self.rings, batch.slot_ids_cpu, batch.context_lens_cpu, lengths))
+
+
+@dataclass(slots=True)
+class _RingStep:
+    snapshot: RingSnapshot
+
+    def restore(self, kept: torch.Tensor, tails: list[list[int]] = ()) -> None:
+        self.snapshot.restore(kept)
+
+
+def target_rollback(model, cache):
+    """The target's rollback of a verification step: `take(batch, lengths)` before the step returns a
+    snapshot whose `restore(kept, tails)` keeps the first kept[i] positions of sequence i; `tails[i]`
+    are its last `lookback` accepted tokens (DeepSeek-V4.1's engram look-back)."""
+    from deepinfer_core.models.deepseek_v41 import DeepseekV41Cache
+
+    if isinstance(cache, DeepseekV41Cache):
+        from deepinfer_core.models.deepseek_v41.rollback import StepRollback
+
+        return StepRollback(model, cache)
+    return _RingRollback(ring_tensors(cache.layers[: model.config.num_hidden_layers]))
 
 
 @dataclass(slots=True)
