@@ -175,3 +175,15 @@ def test_bad_rank_counts_fail_before_spawning(tiny_checkpoint: Path, options: di
     with pytest.raises(ParallelConfigError, match=message):
         LLM(str(tiny_checkpoint), **ENGINE, **options)
     assert not multiprocessing.active_children()
+
+
+def test_one_rank_takes_the_single_process_path(tiny_checkpoint: Path) -> None:
+    """ep = dp = cp = 1 (the default): no rank runtime, no spawned process, no collective, and the MoE
+    layers are the model's own, not the expert-parallel wrapper; so one device pays nothing for the
+    parallel code."""
+    from deepinfer_core.distributed import ExpertParallelMoE
+
+    llm = LLM(str(tiny_checkpoint), **ENGINE)
+    assert llm._rank is None and llm._workers is None
+    assert not any(isinstance(m, ExpertParallelMoE) for m in llm.model.modules())
+    assert not torch.distributed.is_initialized()
