@@ -166,6 +166,20 @@ def test_bounded_replay_covering_the_cone_from_mid_prompt_equals_exact() -> None
     assert (covering.kv.prefix.num_reused_tokens, covering.kv.prefix.num_replayed_tokens) == (48, 64)
 
 
+def test_v41_exact_mode_reuses_a_shared_stem_by_replaying_the_window_cone() -> None:
+    """Two prompts share a 70-token stem, then differ: no snapshot sits where they part, so the exact
+    mode replays the window cone (49 positions, from 8 since 64 - 49 rounds down to a block) before
+    the shared 64 and must still equal caching off bitwise."""
+    stem = tokens(50, 70, 200)
+    prompts = [stem + tokens(51, 9, 200), stem + tokens(52, 11, 200)]
+    options = {"num_kv_blocks": 96}
+    cached = build(V41, enable_prefix_caching=True, **options)
+    got = run(cached, prompts)
+    prefix = cached.kv.prefix
+    assert (prefix.num_hits, prefix.num_reused_tokens, prefix.num_replayed_tokens) == (1, 8, 56)
+    assert got == run(build(V41, **options), prompts)
+
+
 def test_unservable_combinations_are_refused(v4_checkpoint: Path) -> None:
     with pytest.raises(PrefixReuseUnavailable, match="bounded"):
         build(v4_checkpoint, enable_prefix_caching=True, prefix_reuse="bounded")

@@ -162,7 +162,8 @@ class KVCacheManager:
         if self.prefix is None or seq.images is not None:  # image spans share one token id: never cached
             return -1
         end = seq.num_computed_tokens
-        if seq.window_start == 0:  # a bounded replay's state is approximate: never cached
+        # a bounded replay's state is approximate: never cached (an exact-mode replay covers the cone)
+        if seq.window_start == 0 or self.prefix.reuse.mode == "exact":
             for k in range(start // self.block_size, min(end // self.block_size, len(seq.block_names))):
                 self.prefix.register(seq.block_names[k], seq.block_table[k])
         if seq.snapshot_at and end == seq.snapshot_at:

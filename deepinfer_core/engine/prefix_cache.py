@@ -20,7 +20,11 @@ window state at the reuse point B. Two modes:
   multiple of every compress ratio (block_size is), so no group straddles it and no open group is
   carried; V4.1's engram look-back travels in the slot. Exact: the suffix runs the same math on the
   same state as without reuse; bitwise equal when computed in the same chunks (GEMM rows can differ
-  in the last bit between chunkings, with or without reuse).
+  in the last bit between chunkings, with or without reuse). DeepSeek-V4.1 also takes hits at any
+  cached block boundary B without a snapshot when that saves more: it replays positions from
+  R = B - num_layers*(W-1) (rounded down to a block) with no window KV below R, which reproduces
+  every window at B exactly (the "window cone" below), so a shared system prompt longer than the
+  cone is reused exactly even though no earlier prompt ended where it does.
 - "bounded" (`decoder_replay_span` S, V4.1 only): no snapshot. A hit at B recomputes positions
   R..B-1 (R = B - S rounded down to a block boundary) attending no window KV below R, while the
   compressed entries and indexer keys of positions < B come from the cache and are not rewritten
@@ -59,6 +63,7 @@ class PrefixReuse:
     mode: ReuseMode = "exact"
     replay_span: int = 140          # bounded mode: tokens of a hit recomputed before the reuse point
     num_snapshots: int = 0          # exact mode: snapshot slots after the sequences' slots
+    exact_cone: int = 0             # exact mode, V4.1: a replay this long reproduces every window exactly
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,19 +116,29 @@ class PrefixCache:
         while matched < usable and names[matched] in self._block_of:
             matched += 1
         if self.reuse.mode == "exact":
-            while matched and names[matched - 1] not in self._snapshot_of:
-                matched -= 1
-            if not matched:
+            snapshotted = matched
+            while snapshotted and names[snapshotted - 1] not in self._snapshot_of:
+                snapshotted -= 1
+            # a replay over the window cone is exact too: take whichever computes fewer positions
+            if self.reuse.exact_cone and self._replay_start(matched, self.reuse.exact_cone) > snapshotted * self.block_size:
+                return self._replay_hit(names, matched, self.reuse.exact_cone)
+            if not snapshotted:
                 return None
-            snapshot = self._snapshot_of[names[matched - 1]]
-            self._snapshot_of.move_to_end(names[matched - 1])
-            blocks = [self._block_of[n] for n in names[:matched]]
-            return PrefixHit(blocks, matched * self.block_size, snapshot)
+            snapshot = self._snapshot_of[names[snapshotted - 1]]
+            self._snapshot_of.move_to_end(names[snapshotted - 1])
+            blocks = [self._block_of[n] for n in names[:snapshotted]]
+            return PrefixHit(blocks, snapshotted * self.block_size, snapshot)
         if not matched:
             return None
-        reuse_point = matched * self.block_size
-        start = max(0, reuse_point - self.reuse.replay_span) // self.block_size * self.block_size
-        return PrefixHit([self._block_of[n] for n in names[:matched]], start, -1)
+        return self._replay_hit(names, matched, self.reuse.replay_span)
+
+    def _replay_start(self, matched: int, span: int) -> int:
+        return max(0, matched * self.block_size - span) // self.block_size * self.block_size
+
+    def _replay_hit(self, names: list[bytes], matched: int, span: int) -> PrefixHit:
+        """Reuse `matched` cached blocks, recomputing the last `span` positions (rounded up to a block)
+        with no window KV below them."""
+        return PrefixHit([self._block_of[n] for n in names[:matched]], self._replay_start(matched, span), -1)
 
     def record_hit(self, hit: PrefixHit) -> None:
         self.num_hits += 1
@@ -205,7 +220,11 @@ def prefix_reuse_for(config: EngineConfig, model_config: Any) -> PrefixReuse | N
             "prefill and is not snapshotted; turn one of them off"
         )
     if options.reuse == "exact":
-        return PrefixReuse("exact", 0, options.num_snapshots or config.scheduler.max_num_seqs)
+        cone = 0
+        if model_config.model_type == "deepseek_v41":
+            text = model_config.text_config
+            cone = text.num_hidden_layers * (text.sliding_window - 1)
+        return PrefixReuse("exact", 0, options.num_snapshots or config.scheduler.max_num_seqs, cone)
     if model_config.model_type != "deepseek_v41":
         raise PrefixReuseUnavailable(
             f"prefix_reuse='bounded' is DeepSeek-V4.1's replay (its compressor keeps cached entries); "
