@@ -28,7 +28,6 @@ from deepinfer_core.engine.images import (
 )
 from deepinfer_core.engine.kv_cache import KVCacheManager, plan_kv_pool
 from deepinfer_core.engine.model_runner import ModelRunner
-from deepinfer_core.engine.speculation import load_draft_layers
 from deepinfer_core.engine.outputs import RequestOutput
 from deepinfer_core.engine.parallel_llm import (
     EplbRecord,
@@ -41,6 +40,7 @@ from deepinfer_core.engine.parallel_llm import (
 from deepinfer_core.engine.prefix_cache import prefix_reuse_for
 from deepinfer_core.engine.sampling_params import SamplingParams
 from deepinfer_core.engine.scheduler import Scheduler
+from deepinfer_core.engine.speculation import load_draft_layers
 from deepinfer_core.engine.structured import InvalidGrammarError
 from deepinfer_core.platform.errors import CapabilityUnavailable
 from deepinfer_core.speculative.config import SpeculativeConfig
