@@ -13,6 +13,7 @@ import argparse
 import time
 
 from deepinfer_core import LLM, SamplingParams, StructuredOutput
+from deepinfer_core.engine.engine import EngineStats
 
 SCHEMA = {
     "type": "object",
@@ -33,7 +34,7 @@ def run(model: str | None, batch: int, max_tokens: int, constrained: bool, async
                             structured_output=structured)
     prompts = [f"Describe item {i} as JSON:" for i in range(batch)]
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up: compile, first-touch allocations
-    llm.engine.stats.steps.clear()
+    llm.engine.stats = EngineStats()
     started = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - started

@@ -37,9 +37,9 @@ def second_requests(llm: LLM, prefix: list[int], prompts: list[list[int]], args:
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True, logprobs=args.top)
     one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prefix}], one_token, use_tqdm=False)
-    first_step = len(llm.engine.stats.steps)
+    prefilled_before = llm.engine.stats.prefill_tokens
     out = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].outputs[0]
-    computed = sum(s.prefill_tokens for s in llm.engine.stats.steps[first_step:])
+    computed = llm.engine.stats.prefill_tokens - prefilled_before
     fastest = float("inf")
     for prompt in prompts[1:]:
         started = time.perf_counter()

@@ -415,7 +415,7 @@ def test_greedy_output_with_dspark_equals_plain_decoding(checkpoint, prompts, re
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert all(o.spec_draft_tokens > 0 for o in outputs)
-    assert max(s.prefill_tokens for s in llm.engine.stats.steps) <= BUDGET
+    assert max(s.prefill_tokens for s in llm.engine.stats.recent) <= BUDGET
     drafted = llm.engine.stats.speculative.drafted
     if max_verify is None:  # every decode step verifies the whole block (max_tokens permitting)
         assert len(drafted) == N_DRAFT and drafted[-1] > 0

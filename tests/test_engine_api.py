@@ -153,10 +153,10 @@ def test_incremental_detokenizer_matches_full_decode(llm: LLM) -> None:
 
 
 def test_diagnostics_are_recorded(llm: LLM) -> None:
-    steps_before = len(llm.engine.stats.steps)
+    steps_before = llm.engine.stats.num_steps
     llm.generate([PROMPT] * 3, greedy(max_tokens=5), use_tqdm=False)
     summary = llm.engine.stats.summary()
-    assert len(llm.engine.stats.steps) > steps_before
+    assert llm.engine.stats.num_steps > steps_before
     assert summary["decode_tokens"] > 0 and summary["prefill_tokens"] > 0
     assert summary["device_ms_per_step"] > 0 and summary["host_ms_per_step"] > 0
 

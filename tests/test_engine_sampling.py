@@ -85,10 +85,10 @@ def test_forked_completions_continue_from_the_copied_prompt_state(llm: LLM) -> N
     prompt = {"prompt_token_ids": torch.randint(2, 512, (21,), generator=torch.Generator().manual_seed(3)).tolist()}
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     [single] = llm.generate([prompt], greedy, use_tqdm=False)
-    steps_before = len(llm.engine.stats.steps)
+    prefilled_before = llm.engine.stats.prefill_tokens
     [forked] = llm.generate([prompt], greedy.model_copy(update={"n": 4}), use_tqdm=False)
     assert [c.token_ids for c in forked.outputs] == [single.outputs[0].token_ids] * 4
-    assert sum(s.prefill_tokens for s in llm.engine.stats.steps[steps_before:]) == 21
+    assert llm.engine.stats.prefill_tokens - prefilled_before == 21
 
 
 def test_whole_batch_is_identical_with_async_scheduling_on_and_off(tiny_checkpoint: Path) -> None:

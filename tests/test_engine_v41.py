@@ -48,7 +48,7 @@ def generate_goldens_prompts(llm: LLM, g: dict[str, torch.Tensor]):
                             logprobs=vocab, prompt_logprobs=vocab)
     prompts = [{"prompt_token_ids": g[f"prompt{i}.input_ids"].tolist()} for i in range(3)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert max(s.prefill_tokens for s in llm.engine.stats.steps) <= TOKEN_BUDGET
+    assert max(s.prefill_tokens for s in llm.engine.stats.recent) <= TOKEN_BUDGET
     return outputs
 
 
@@ -131,9 +131,9 @@ def test_forks_copy_the_quantized_state_and_equal_lone_requests() -> None:
     assert llm.engine.fork_prompts
     prompt = {"prompt_token_ids": g["prompt1.input_ids"].tolist()}
     params = dict(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=4)
-    prefilled_before = sum(s.prefill_tokens for s in llm.engine.stats.steps)
+    prefilled_before = llm.engine.stats.prefill_tokens
     (forked,) = llm.generate(prompt, SamplingParams(n=3, seed=11, **params), use_tqdm=False)
-    assert sum(s.prefill_tokens for s in llm.engine.stats.steps) - prefilled_before == len(prompt["prompt_token_ids"])
+    assert llm.engine.stats.prefill_tokens - prefilled_before == len(prompt["prompt_token_ids"])
     seeds = [11, derive_seed(11, 1), derive_seed(11, 2)]
     lone = llm.generate([prompt] * 3, [SamplingParams(seed=s, **params) for s in seeds], use_tqdm=False)
     assert len({tuple(c.token_ids) for c in forked.outputs}) > 1, "forks sampled identical completions"

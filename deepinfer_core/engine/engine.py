@@ -12,6 +12,7 @@ tokens per sequence: its accepted drafts, then the target's own token.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,31 +42,64 @@ class StepStats:
     device_s: float | None  # device time from the backend's timing events, where it has them
 
 
+# Steps kept one by one for inspection; the totals cover every step, so a long run keeps constant memory.
+RECENT_STEPS = 4096
+
+
 @dataclass(slots=True)
 class EngineStats:
-    steps: list[StepStats] = field(default_factory=list)
+    """Totals over every step of the engine, and its last RECENT_STEPS steps one by one (`recent`)."""
+
+    recent: deque[StepStats] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    num_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    seqs_stepped: int = 0            # sequences summed over steps
+    host_s: float = 0.0
+    wait_s: float = 0.0
+    prefill_device_s: float = 0.0    # steps with prefill tokens
+    decode_device_s: float = 0.0     # steps with decode tokens only
     num_preemptions: int = 0
     speculative: SpeculativeStats | None = None
+
+    def record(self, step: StepStats) -> None:
+        self.recent.append(step)
+        self.num_steps += 1
+        self.prefill_tokens += step.prefill_tokens
+        self.decode_tokens += step.decode_tokens
+        self.seqs_stepped += step.num_seqs
+        self.host_s += step.host_s
+        self.wait_s += step.wait_s
+        self._add_device(step, 1.0)
+
+    def timed(self, step: StepStats, device_s: float | None) -> None:
+        """A recorded step's device time, known only once its timing events completed."""
+        self._add_device(step, -1.0)
+        step.device_s = device_s
+        self._add_device(step, 1.0)
+
+    def _add_device(self, step: StepStats, sign: float) -> None:
+        # until (or unless) the backend times the step, the time it took to queue it stands in
+        seconds = sign * (step.device_s if step.device_s is not None else step.launch_s)
+        if step.prefill_tokens:
+            self.prefill_device_s += seconds
+        else:
+            self.decode_device_s += seconds
 
     def summary(self) -> dict[str, float]:
         """Per-step means and totals. With speculation, `spec_*` counts drafts verified and drafts
         accepted as output tokens (a draft after a stop is not counted), per sequence-step."""
-        n = max(len(self.steps), 1)
-        prefill = sum(s.prefill_tokens for s in self.steps)
-        decode = sum(s.decode_tokens for s in self.steps)
-        device = [s.device_s if s.device_s is not None else s.launch_s for s in self.steps]
-        prefill_time = sum(d for d, s in zip(device, self.steps) if s.prefill_tokens)
-        decode_time = sum(d for d, s in zip(device, self.steps) if not s.prefill_tokens)
+        n = max(self.num_steps, 1)
         return {
-            "steps": len(self.steps),
-            "prefill_tokens": prefill,
-            "decode_tokens": decode,
-            "prefill_tokens_per_s": prefill / prefill_time if prefill_time else 0.0,
-            "decode_tokens_per_s": decode / decode_time if decode_time else 0.0,
-            "mean_batch_size": sum(s.num_seqs for s in self.steps) / n,
-            "host_ms_per_step": 1e3 * sum(s.host_s for s in self.steps) / n,
-            "device_ms_per_step": 1e3 * sum(device) / n,
-            "wait_ms_per_step": 1e3 * sum(s.wait_s for s in self.steps) / n,
+            "steps": self.num_steps,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_tokens": self.decode_tokens,
+            "prefill_tokens_per_s": self.prefill_tokens / self.prefill_device_s if self.prefill_device_s else 0.0,
+            "decode_tokens_per_s": self.decode_tokens / self.decode_device_s if self.decode_device_s else 0.0,
+            "mean_batch_size": self.seqs_stepped / n,
+            "host_ms_per_step": 1e3 * self.host_s / n,
+            "device_ms_per_step": 1e3 * (self.prefill_device_s + self.decode_device_s) / n,
+            "wait_ms_per_step": 1e3 * self.wait_s / n,
             "preemptions": self.num_preemptions,
         } | self._speculative_summary()
 
@@ -218,7 +252,7 @@ class LLMEngine:
                 wait_s=wait_s,
                 device_s=launched.device_seconds() if self._in_flight is None else None,
             )
-            self.stats.steps.append(stats)
+            self.stats.record(stats)
             if self._in_flight is not None:
                 self._untimed[id(launched)] = stats
         self.stats.num_preemptions = self.scheduler.num_preemptions
@@ -228,7 +262,7 @@ class LLMEngine:
         host, waited = result.read()
         stats = self._untimed.pop(id(result), None)
         if stats is not None:
-            stats.device_s = result.device_seconds()  # its timing events are complete only now
+            self.stats.timed(stats, result.device_seconds())  # its timing events are complete only now
         spec = result.step.speculative
         for index, seq in enumerate(result.step.sampling_seqs):
             if seq.is_finished:

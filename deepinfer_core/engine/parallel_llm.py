@@ -195,12 +195,12 @@ class RankRuntime:
         done: dict[int, RequestOutput] = {}
         with tqdm(total=len(order), desc="Processed prompts (rank 0)", disable=not use_tqdm) as bar:
             while self._anyone_busy(engine.has_unfinished()):
-                launched = len(engine.stats.steps)  # one entry per step that launched a forward
+                launched = engine.stats.num_steps  # counts the steps that launched a forward
                 if engine.has_unfinished():
                     for output in engine.step():
                         done[order[output.request_id]] = output
                         bar.update(1)
-                if len(engine.stats.steps) == launched and self.main_moe_layers:
+                if engine.stats.num_steps == launched and self.main_moe_layers:
                     join_without_tokens(self.main_moe_layers)
                 self.steps += 1
                 if self.load is not None and self.steps % self.parallel.eplb_interval_steps == 0:

@@ -28,10 +28,6 @@ from deepinfer_core.server.metrics import ServerMetrics
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestStream", "RequestUpdate", "SequenceDelta"]
 
 
-# NOTE: the engine keeps a record of every step, which a long-running server must bound.
-_KEPT_STEP_STATS = 100_000
-
-
 class EngineDeadError(RuntimeError):
     """The engine thread failed a step; the request cannot finish."""
 
@@ -151,9 +147,6 @@ class AsyncEngine:
                 continue
             self.metrics.observe_step(time.perf_counter() - started)
             self._publish()
-            steps = self.engine.stats.steps
-            if len(steps) > _KEPT_STEP_STATS:
-                del steps[:len(steps) - _KEPT_STEP_STATS // 2]
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued adds and aborts; False once asked to stop."""
