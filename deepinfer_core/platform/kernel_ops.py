@@ -14,7 +14,7 @@ Conventions for every op:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -23,7 +23,7 @@ import torch
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.row_tiles import in_row_tiles, row_tiled
 
-__all__ = ["KernelOps", "MlpWeights"]
+__all__ = ["KernelOps", "MlpWeights", "pool_gated_windows"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -784,18 +784,33 @@ def _pool_windows(
     width: int,
 ) -> torch.Tensor:
     """Softmax-gated pooling of windows `windows`; kv/gate rows are positions first_pos.. ."""
-    offsets = torch.arange(ratio, device=kv.device)
-    own = windows[:, None] * ratio + offsets[None, :] - first_pos
+    own = windows[:, None] * ratio + torch.arange(ratio, device=kv.device)[None, :] - first_pos
+    return pool_gated_windows(kv.__getitem__, gate.__getitem__, own, windows > 0, ape, ratio, overlap, width)
+
+
+def pool_gated_windows(
+    kv_at: Callable[[torch.Tensor], torch.Tensor],
+    gate_at: Callable[[torch.Tensor], torch.Tensor],
+    own: torch.Tensor,
+    has_prev: torch.Tensor,
+    ape: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    width: int,
+) -> torch.Tensor:
+    """The compressor's pooling of W windows (see `KernelOps.compress_kv`). `own` [W, ratio] indexes each
+    window's tokens and `kv_at` / `gate_at` gather their raw projections [W, ratio, P] at such indices
+    (an index minus `ratio` is the same slot of the previous window); has_prev [W]: the window has one."""
     if not overlap:
-        slots_kv, slots_gate = kv[own], gate[own] + ape
+        slots_kv, slots_gate = kv_at(own), gate_at(own) + ape
     else:
         prev = (own - ratio).clamp(min=0)
-        has_prev = (windows > 0)[:, None, None]
-        prev_gate = torch.where(has_prev, gate[prev][..., :width] + ape[:, :width], float("-inf"))
-        prev_kv = torch.where(has_prev, kv[prev][..., :width], 0.0)
-        slots_kv = torch.cat([prev_kv, kv[own][..., width:]], dim=1)
-        slots_gate = torch.cat([prev_gate, gate[own][..., width:] + ape[:, width:]], dim=1)
-    probs = torch.softmax(slots_gate.float(), dim=1).to(kv.dtype)
+        has_prev = has_prev[:, None, None]
+        prev_gate = torch.where(has_prev, gate_at(prev)[..., :width] + ape[:, :width], float("-inf"))
+        prev_kv = torch.where(has_prev, kv_at(prev)[..., :width], 0.0)
+        slots_kv = torch.cat([prev_kv, kv_at(own)[..., width:]], dim=1)
+        slots_gate = torch.cat([prev_gate, gate_at(own)[..., width:] + ape[:, width:]], dim=1)
+    probs = torch.softmax(slots_gate.float(), dim=1).to(slots_kv.dtype)
     return (slots_kv * probs).sum(dim=1)
 
 

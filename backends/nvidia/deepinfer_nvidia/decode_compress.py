@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.models.forward_batch import ForwardBatch
-from deepinfer_core.platform.kernel_ops import KernelOps
+from deepinfer_core.platform.kernel_ops import KernelOps, pool_gated_windows
 
 __all__ = ["compress_kv_decode", "is_decode_step"]
 
@@ -46,18 +46,12 @@ def compress_kv_decode(
     state_gate[slots, ctx % span] = gate.to(state_gate.dtype)
     window = ctx // ratio
     own = window[:, None] * ratio + torch.arange(ratio, device=kv.device)[None, :]
-    own_kv, own_gate = state_kv[slots[:, None], own % span], state_gate[slots[:, None], own % span]
-    if overlap:
-        has_prev = (window > 0)[:, None, None]
-        prev = (own - ratio).clamp(min=0) % span
-        prev_kv = torch.where(has_prev, state_kv[slots[:, None], prev][..., :width], 0.0)
-        prev_gate = torch.where(has_prev, state_gate[slots[:, None], prev][..., :width] + ape[:, :width], float("-inf"))
-        slots_kv = torch.cat([prev_kv, own_kv[..., width:]], dim=1)
-        slots_gate = torch.cat([prev_gate, own_gate[..., width:] + ape[:, width:]], dim=1)
-    else:
-        slots_kv, slots_gate = own_kv, own_gate + ape
-    probs = torch.softmax(slots_gate.float(), dim=1).to(kv.dtype)
-    pooled = ops.rms_norm((slots_kv * probs).sum(dim=1), norm_weight, norm_eps)
+
+    def in_state(state: torch.Tensor):
+        return lambda positions: state[slots[:, None], positions % span]
+
+    pooled = pool_gated_windows(in_state(state_kv), in_state(state_gate), own, window > 0, ape, ratio, overlap, width)
+    pooled = ops.rms_norm(pooled, norm_weight, norm_eps)
     pooled = ops.rope(pooled, window * ratio, inv_freq).to(entries.dtype)
     rows = torch.arange(slots.shape[0], device=kv.device)
     blocks = batch.block_tables[rows, (window * ratio) // block_size].long()
