@@ -22,6 +22,8 @@ __all__ = [
     "DeepseekV4Config",
     "ModelConfig",
     "load_model_config",
+    "raise_failed_checks",
+    "width_checks",
 ]
 
 SLIDING = "sliding_attention"
@@ -126,18 +128,9 @@ class DeepseekV4Config(BaseModel):
              f"{len(self.layers)} layer specs for num_hidden_layers={self.num_hidden_layers}"),
             (len(self.mtp_layers) == self.num_nextn_predict_layers, "mtp_layers",
              f"{len(self.mtp_layers)} MTP specs for num_nextn_predict_layers={self.num_nextn_predict_layers}"),
-            (self.qk_rope_head_dim % 2 == 0 and self.qk_rope_head_dim <= self.head_dim, "qk_rope_head_dim",
-             f"{self.qk_rope_head_dim} must be even and <= head_dim={self.head_dim}"),
-            (self.index_head_dim >= self.qk_rope_head_dim, "index_head_dim",
-             f"{self.index_head_dim} must be >= qk_rope_head_dim={self.qk_rope_head_dim}"),
-            (self.num_attention_heads % self.o_groups == 0, "o_groups",
-             f"{self.o_groups} must divide num_attention_heads={self.num_attention_heads}"),
-            (self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
-             f"{self.num_experts_per_tok} > n_routed_experts={self.n_routed_experts}"),
+            *width_checks(self),
         ]
-        for ok, name, detail in checks:
-            if not ok:
-                raise ValueError(f"field `{name}`: {detail}")
+        raise_failed_checks(checks)
         for spec in (*self.layers, *self.mtp_layers):
             if spec.is_compressed and spec.compress_ratio < 1:
                 raise ValueError(f"field `layers`: {spec.attention} needs a compress ratio >= 1")
@@ -315,3 +308,24 @@ def _one_rope(params: dict[str, Any], field: str) -> RopeParams:
         if params.get(key) is None:
             params.pop(key, None)
     return RopeParams(rope_type=rope_type, **params)
+
+
+def width_checks(c: Any) -> list[tuple[bool, str, str]]:
+    """(holds, field, detail) for the widths V4 and V4.1 share: RoPE inside the heads, the indexer's
+    head at least the RoPE width, output groups dividing the heads, top-k within the experts."""
+    return [
+        (c.qk_rope_head_dim % 2 == 0 and c.qk_rope_head_dim <= c.head_dim, "qk_rope_head_dim",
+         f"{c.qk_rope_head_dim} must be even and <= head_dim={c.head_dim}"),
+        (c.index_head_dim >= c.qk_rope_head_dim, "index_head_dim",
+         f"{c.index_head_dim} must be >= qk_rope_head_dim={c.qk_rope_head_dim}"),
+        (c.num_attention_heads % c.o_groups == 0, "o_groups",
+         f"{c.o_groups} must divide num_attention_heads={c.num_attention_heads}"),
+        (c.num_experts_per_tok <= c.n_routed_experts, "num_experts_per_tok",
+         f"{c.num_experts_per_tok} > n_routed_experts={c.n_routed_experts}"),
+    ]
+
+
+def raise_failed_checks(checks: list[tuple[bool, str, str]]) -> None:
+    for ok, name, detail in checks:
+        if not ok:
+            raise ValueError(f"field `{name}`: {detail}")

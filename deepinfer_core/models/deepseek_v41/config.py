@@ -15,7 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from deepinfer_core.model_config import ModelConfigError, QuantizationConfig, RopeParams
+from deepinfer_core.model_config import (
+    ModelConfigError, QuantizationConfig, RopeParams, raise_failed_checks, width_checks,
+)
 from deepinfer_core.models.deepseek_v41.engram_layout import engram_num_embeddings
 
 __all__ = ["DeepseekV41TextConfig", "DeepseekV41VisionConfig", "DeepseekV41Config", "parse_deepseek_v41_config"]
@@ -164,21 +166,11 @@ class DeepseekV41TextConfig(BaseModel):
                 raise ValueError(f"field `candidate_source_layer_id`: index sources {foreign} come after candidate "
                                  f"source {candidate} but score another band's entries; the candidate mask cannot "
                                  "apply to them")
-        checks = [
-            (self.qk_rope_head_dim % 2 == 0 and self.qk_rope_head_dim <= self.head_dim, "qk_rope_head_dim",
-             f"{self.qk_rope_head_dim} must be even and <= head_dim={self.head_dim}"),
-            (self.index_head_dim >= self.qk_rope_head_dim, "index_head_dim",
-             f"{self.index_head_dim} must be >= qk_rope_head_dim={self.qk_rope_head_dim}"),
-            (self.num_attention_heads % self.o_groups == 0, "o_groups",
-             f"{self.o_groups} must divide num_attention_heads={self.num_attention_heads}"),
-            (self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
-             f"{self.num_experts_per_tok} > n_routed_experts={self.n_routed_experts}"),
+        raise_failed_checks([
+            *width_checks(self),
             (0 <= self.engram_pad_id < self.vocab_size, "engram_pad_id",
              f"{self.engram_pad_id} is not a token id below vocab_size={self.vocab_size}"),
-        ]
-        for ok, name, detail in checks:
-            if not ok:
-                raise ValueError(f"field `{name}`: {detail}")
+        ])
         return self
 
     def kv_source_of(self, layer: int) -> int | None:
