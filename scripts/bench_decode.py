@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -35,9 +34,9 @@ from bench_model import (  # noqa: E402
     attention_flops, build_deepinfer, build_transformers, expected_experts_touched, flash_slice_raw,
     kv_bytes_per_sequence, random_cache, setup, step_batch, weight_bytes, weight_flops_per_token,
 )
-from bench_prefill import _free, _ints  # noqa: E402
+from bench_prefill import _ints  # noqa: E402
 from bench_speculative import run_speculative  # noqa: E402
-from kernel_bench_common import measure_ceilings, new_plot, save_plot, time_ms  # noqa: E402
+from kernel_bench_common import cell, collect_rows, new_plot, recorded, save_plot, sweep_ceilings, time_ms  # noqa: E402
 
 
 def main() -> None:
@@ -73,22 +72,12 @@ def main() -> None:
     contexts = args.contexts or ([20] if args.tiny else [256, 4096])
     hf_context = args.hf_context or (20 if args.tiny else 256)
     device, ops = setup(args.tiny)
-    ceilings = measure_ceilings(device, size=256 if args.tiny else 8192, copy_bytes=(1 << 22) if args.tiny else (2 << 30))
-    print("measured ceilings:", ceilings.describe(), flush=True)
-    rows = []
-    for weights in args.weights.split(","):
-        try:
-            rows += _deepinfer_rows(args.tiny, weights, batches, contexts, device, ops, ceilings)
-        except Exception as err:
-            traceback.print_exc()
-            rows.append({"impl": "deepinfer", "weights": weights, "error": f"{type(err).__name__}: {err}"})
-        _free(device)
-    if not args.no_hf:
-        try:
-            rows += _hf_rows(args.tiny, [b for b in batches if b <= args.hf_max_batch], hf_context, args.hf_steps, device)
-        except Exception as err:
-            traceback.print_exc()
-            rows.append({"impl": "transformers", "weights": "bf16", "error": f"{type(err).__name__}: {err}"})
+    ceilings = sweep_ceilings(device, args.tiny)
+    hf_batches = [b for b in batches if b <= args.hf_max_batch]
+    rows = collect_rows(
+        args.weights.split(","), lambda w: _deepinfer_rows(args.tiny, w, batches, contexts, device, ops, ceilings),
+        None if args.no_hf else lambda: _hf_rows(args.tiny, hf_batches, hf_context, args.hf_steps, device), device,
+    )
     _report(rows, ceilings, Path(args.out))
 
 
@@ -106,8 +95,8 @@ def _deepinfer_rows(tiny, weights, batches, contexts, device, ops, ceilings):
     for context in contexts:
         for size in batches:
             batch = step_batch([1] * size, [context] * size, block_size, device)
-            row = {"impl": "deepinfer", "weights": weights, "batch": size, "context": context}
-            try:
+            with recorded(rows, {"impl": "deepinfer", "weights": weights, "batch": size, "context": context},
+                          device) as row:
                 cache = random_cache(config, batch, block_size, device)
 
                 def step():
@@ -121,12 +110,6 @@ def _deepinfer_rows(tiny, weights, batches, contexts, device, ops, ceilings):
                 row.update(ms=ms, steps_per_s=1e3 / ms, tokens_per_s=size * 1e3 / ms, tokens_per_s_per_request=1e3 / ms,
                            gbytes=nbytes / 1e9, floor_ms=floor_ms, over_floor=ms / floor_ms,
                            gflop_per_token=flops / size / 1e9)
-            except Exception as err:
-                traceback.print_exc()
-                row["error"] = f"{type(err).__name__}: {err}"
-            rows.append(row)
-            print(row, flush=True)
-            _free(device)
     return rows
 
 
@@ -134,25 +117,17 @@ def _hf_rows(tiny, batches, context, steps, device):
     model = build_transformers(flash_slice_raw(tiny, "bf16"), device)
     rows = []
     for size in batches:
-        row = {"impl": "transformers", "weights": "bf16", "batch": size, "context": context}
-        try:
-            with torch.no_grad():
-                ids = torch.randint(0, 97, (size, context), device=device)
-                out = model(ids, use_cache=True, logits_to_keep=1)
-                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-                times = []
-                for _ in range(steps):
-                    times.append(_timed(lambda: model(token, past_key_values=cache, use_cache=True), device))
-                    token = (token + 1) % 97
+        with recorded(rows, {"impl": "transformers", "weights": "bf16", "batch": size, "context": context},
+                      device) as row, torch.no_grad():
+            ids = torch.randint(0, 97, (size, context), device=device)
+            out = model(ids, use_cache=True, logits_to_keep=1)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            times = []
+            for _ in range(steps):
+                times.append(_timed(lambda: model(token, past_key_values=cache, use_cache=True), device))
+                token = (token + 1) % 97
             ms = statistics.median(times)
             row.update(ms=ms, steps_per_s=1e3 / ms, tokens_per_s=size * 1e3 / ms, tokens_per_s_per_request=1e3 / ms)
-        except Exception as err:
-            traceback.print_exc()
-            row["error"] = f"{type(err).__name__}: {err}"
-        rows.append(row)
-        print(row, flush=True)
-        _free(device)
-    _free(device)
     return rows
 
 
@@ -174,19 +149,16 @@ def _timed(fn, device) -> float:
 def _report(rows, ceilings, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     hf = {r["batch"]: r["ms"] for r in rows if r["impl"] == "transformers" and "ms" in r}
-
-    def f(v, spec):
-        return "-" if v is None else format(v, spec)
     lines = [f"ceilings (measured): {ceilings.describe()}",
              f"{'impl':<13}{'weights':<8}{'batch':>6}{'ctx':>6}{'step_ms':>9}{'steps/s':>9}{'tok/s':>9}{'tok/s/req':>10}"
              f"{'GB/step':>8}{'floor_ms':>9}{'x_floor':>8}{'GFLOP/tok':>10}{'hf_ms':>8}{'x_hf':>6}  error"]
     for r in rows:
         ms, ref = r.get("ms"), hf.get(r.get("batch")) if r["impl"] == "deepinfer" else None
         lines.append(
-            f"{r['impl']:<13}{r['weights']:<8}{f(r.get('batch'), 'd'):>6}{f(r.get('context'), 'd'):>6}{f(ms, '.2f'):>9}"
-            f"{f(r.get('steps_per_s'), '.1f'):>9}{f(r.get('tokens_per_s'), '.0f'):>9}{f(r.get('tokens_per_s_per_request'), '.1f'):>10}"
-            f"{f(r.get('gbytes'), '.2f'):>8}{f(r.get('floor_ms'), '.2f'):>9}{f(r.get('over_floor'), '.2f'):>8}"
-            f"{f(r.get('gflop_per_token'), '.2f'):>10}{f(ref, '.2f'):>8}{f(ref / ms if ref and ms else None, '.2f'):>6}"
+            f"{r['impl']:<13}{r['weights']:<8}{cell(r.get('batch'), 'd'):>6}{cell(r.get('context'), 'd'):>6}{cell(ms, '.2f'):>9}"
+            f"{cell(r.get('steps_per_s'), '.1f'):>9}{cell(r.get('tokens_per_s'), '.0f'):>9}{cell(r.get('tokens_per_s_per_request'), '.1f'):>10}"
+            f"{cell(r.get('gbytes'), '.2f'):>8}{cell(r.get('floor_ms'), '.2f'):>9}{cell(r.get('over_floor'), '.2f'):>8}"
+            f"{cell(r.get('gflop_per_token'), '.2f'):>10}{cell(ref, '.2f'):>8}{cell(ref / ms if ref and ms else None, '.2f'):>6}"
             f"  {r.get('error', '')[:80]}"
         )
     lines.append("x_hf compares DeepInfer at its context with transformers at --hf-context (same batch).")

@@ -13,11 +13,9 @@ CPU:  python3 scripts/bench_prefill.py --tiny
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -29,7 +27,7 @@ from bench_model import (  # noqa: E402
     attention_flops, build_deepinfer, build_transformers, flash_slice_raw, random_cache, setup, step_batch, use_ops,
     weight_flops_per_token,
 )
-from kernel_bench_common import measure_ceilings, new_plot, save_plot, time_ms  # noqa: E402
+from kernel_bench_common import cell, collect_rows, new_plot, recorded, save_plot, sweep_ceilings, time_ms  # noqa: E402
 
 
 def _ints(text: str) -> list[int]:
@@ -49,22 +47,12 @@ def main() -> None:
     tokens = args.tokens or ([24, 48] if args.tiny else [4096, 8192, 16384])
     seq_len = args.seq_len or (24 if args.tiny else 8192)
     device, ops = setup(args.tiny)
-    ceilings = measure_ceilings(device, size=256 if args.tiny else 8192, copy_bytes=(1 << 22) if args.tiny else (2 << 30))
-    print("measured ceilings:", ceilings.describe(), flush=True)
-    rows = []
-    for weights in args.weights.split(","):
-        try:
-            rows += _deepinfer_rows(args.tiny, weights, tokens, seq_len, device, ops, ceilings)
-        except Exception as err:
-            traceback.print_exc()
-            rows.append({"impl": "deepinfer", "weights": weights, "error": f"{type(err).__name__}: {err}"})
-        _free(device)
-    if not args.no_hf:
-        try:
-            rows += _hf_rows(args.tiny, [t for t in tokens if t <= args.hf_max_tokens], seq_len, device)
-        except Exception as err:
-            traceback.print_exc()
-            rows.append({"impl": "transformers", "weights": "bf16", "error": f"{type(err).__name__}: {err}"})
+    ceilings = sweep_ceilings(device, args.tiny)
+    hf_tokens = [t for t in tokens if t <= args.hf_max_tokens]
+    rows = collect_rows(
+        args.weights.split(","), lambda w: _deepinfer_rows(args.tiny, w, tokens, seq_len, device, ops, ceilings),
+        None if args.no_hf else lambda: _hf_rows(args.tiny, hf_tokens, seq_len, device), device,
+    )
     _report(rows, ceilings, Path(args.out))
 
 
@@ -87,8 +75,7 @@ def _deepinfer_rows(tiny, weights, tokens, seq_len, device, ops, ceilings):
         def step():
             return model.compute_logits(model(batch, cache).hidden[batch.logits_indices])
 
-        row = {"impl": "deepinfer", "weights": weights, "tokens": total, "seqs": len(lens)}
-        try:
+        with recorded(rows, {"impl": "deepinfer", "weights": weights, "tokens": total, "seqs": len(lens)}, device) as row:
             logits = step()
             if total == tokens[0]:
                 use_ops(model, KernelOps())
@@ -100,12 +87,6 @@ def _deepinfer_rows(tiny, weights, tokens, seq_len, device, ops, ceilings):
             flops = per_token * total + attention_flops(config, batch.positions) + head_flops * len(lens)
             row.update(ms=ms, tokens_per_s=total / ms * 1e3, gflop_per_token=flops / total / 1e9,
                        tflops=flops / ms / 1e9, matmul_fraction=flops / ms / 1e9 / rate)
-        except Exception as err:
-            traceback.print_exc()
-            row["error"] = f"{type(err).__name__}: {err}"
-        rows.append(row)
-        print(row, flush=True)
-        _free(device)
     return rows
 
 
@@ -116,25 +97,11 @@ def _hf_rows(tiny, tokens, seq_len, device):
     for total in tokens:
         n = max(1, total // seq_len)
         ids = torch.randint(0, 97, (n, min(seq_len, total)), device=device)
-        row = {"impl": "transformers", "weights": "bf16", "tokens": n * ids.shape[1], "seqs": n}
-        try:
-            with torch.no_grad():
-                ms = time_ms(lambda: model(ids, use_cache=False, logits_to_keep=1), device, rep_ms=300)
+        with recorded(rows, {"impl": "transformers", "weights": "bf16", "tokens": n * ids.shape[1], "seqs": n},
+                      device) as row, torch.no_grad():
+            ms = time_ms(lambda: model(ids, use_cache=False, logits_to_keep=1), device, rep_ms=300)
             row.update(ms=ms, tokens_per_s=row["tokens"] / ms * 1e3)
-        except Exception as err:
-            traceback.print_exc()
-            row["error"] = f"{type(err).__name__}: {err}"
-        rows.append(row)
-        print(row, flush=True)
-        _free(device)
-    _free(device)
     return rows
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _report(rows, ceilings, out: Path) -> None:
@@ -146,15 +113,12 @@ def _report(rows, ceilings, out: Path) -> None:
     for r in rows:
         ms, ref = r.get("ms"), hf.get(r.get("tokens"))
         ratio = ref / ms if ms and ref and r["impl"] == "deepinfer" else None
-
-        def f(v, spec):
-            return "-" if v is None else format(v, spec)
         lines.append(
-            f"{r['impl']:<13}{r['weights']:<8}{f(r.get('tokens'), 'd'):>7}{f(r.get('seqs'), 'd'):>5}{f(ms, '.2f'):>10}"
-            f"{f(r.get('tokens_per_s'), '.0f'):>10}{f(r.get('gflop_per_token'), '.2f'):>10}{f(r.get('tflops'), '.1f'):>9}"
-            f"{f(r.get('matmul_fraction') and 100 * r['matmul_fraction'], '.1f'):>6}"
-            f"{f(ref if r['impl'] == 'deepinfer' else None, '.2f'):>9}{f(ratio, '.2f'):>7}"
-            f"{f(r.get('logits_rel_error_vs_reference_ops'), '.1e'):>9}  {r.get('error', '')[:80]}"
+            f"{r['impl']:<13}{r['weights']:<8}{cell(r.get('tokens'), 'd'):>7}{cell(r.get('seqs'), 'd'):>5}{cell(ms, '.2f'):>10}"
+            f"{cell(r.get('tokens_per_s'), '.0f'):>10}{cell(r.get('gflop_per_token'), '.2f'):>10}{cell(r.get('tflops'), '.1f'):>9}"
+            f"{cell(r.get('matmul_fraction') and 100 * r['matmul_fraction'], '.1f'):>6}"
+            f"{cell(ref if r['impl'] == 'deepinfer' else None, '.2f'):>9}{cell(ratio, '.2f'):>7}"
+            f"{cell(r.get('logits_rel_error_vs_reference_ops'), '.1e'):>9}  {r.get('error', '')[:80]}"
         )
     table = "\n".join(lines)
     (out / "prefill.txt").write_text(table)

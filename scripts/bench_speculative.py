@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from bench_model import build_deepinfer, flash_slice_raw, random_cache, step_batch
-from kernel_bench_common import new_plot, save_plot, time_ms
+from kernel_bench_common import cell, new_plot, save_plot, time_ms
 
 from deepinfer_core.engine.sampler import SamplingTensors
 from deepinfer_core.models.forward_batch import ForwardBatch
@@ -221,9 +221,6 @@ def _at(sampling: SamplingTensors, emitted: list[int], device) -> SamplingTensor
 
 def _report(rows, weights, context, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-
-    def f(v, spec):
-        return "-" if v is None else format(v, spec)
     lines = [
         f"speculative decoding, V4-Flash 4-layer slice, {weights}, random-state context {context}, greedy.",
         "Drafter: ORACLE with controlled acceptance (random weights make a real MTP accept nothing): it proposes",
@@ -236,10 +233,10 @@ def _report(rows, weights, context, out: Path) -> None:
     ]
     for r in rows:
         lines.append(
-            f"{r['batch']:>6}{f(r.get('a'), '.2f'):>5}{r['k']:>3}{f(r.get('plain_ms'), '.3f'):>13}"
-            f"{f(r.get('spec_ms'), '.3f'):>13}{f(r.get('mtp_draft_ms'), '.3f'):>9}{f(r.get('tokens_per_step'), '.3f'):>9}"
-            f"{f(r.get('counted_sequence_steps'), 'd'):>8}{f(r.get('expected_tokens_per_step'), '.3f'):>9}{f(r.get('speedup_oracle'), '.2f'):>9}"
-            f"{f(r.get('speedup_mtp'), '.2f'):>7}{f(r.get('diverged_at_near_tie'), 'd'):>5}{f(r.get('diverged_elsewhere'), 'd'):>6}"
+            f"{r['batch']:>6}{cell(r.get('a'), '.2f'):>5}{r['k']:>3}{cell(r.get('plain_ms'), '.3f'):>13}"
+            f"{cell(r.get('spec_ms'), '.3f'):>13}{cell(r.get('mtp_draft_ms'), '.3f'):>9}{cell(r.get('tokens_per_step'), '.3f'):>9}"
+            f"{cell(r.get('counted_sequence_steps'), 'd'):>8}{cell(r.get('expected_tokens_per_step'), '.3f'):>9}{cell(r.get('speedup_oracle'), '.2f'):>9}"
+            f"{cell(r.get('speedup_mtp'), '.2f'):>7}{cell(r.get('diverged_at_near_tie'), 'd'):>5}{cell(r.get('diverged_elsewhere'), 'd'):>6}"
             f"  {r.get('error', '')[:80]}"
         )
     lines += ["plain_ms/tok: a plain step emits one token per sequence. tok/step: over sequence-steps before a sequence left",

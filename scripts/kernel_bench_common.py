@@ -6,14 +6,20 @@ Ceilings are measured on the device the script runs on, never taken from a datas
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Ceilings", "measure_ceilings", "poison_allocator", "time_ms"]
+__all__ = [
+    "Ceilings", "cell", "collect_rows", "free_memory", "measure_ceilings", "poison_allocator", "recorded",
+    "sweep_ceilings", "time_ms",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,3 +93,57 @@ def new_plot():
 def save_plot(fig, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def sweep_ceilings(device: torch.device, tiny: bool) -> Ceilings:
+    """The benchmarks' ceilings (toy sizes with --tiny), printed."""
+    ceilings = measure_ceilings(device, size=256 if tiny else 8192, copy_bytes=(1 << 22) if tiny else (2 << 30))
+    print("measured ceilings:", ceilings.describe(), flush=True)
+    return ceilings
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@contextmanager
+def recorded(rows: list[dict], row: dict, device: torch.device) -> Iterator[dict]:
+    """Fill `row` in the block; a failure becomes the row's `error` (the sweep goes on). The row is
+    appended and printed either way, and the device memory freed."""
+    try:
+        yield row
+    except Exception as err:  # noqa: BLE001  (one failed point is a row of the table, not the end of the run)
+        traceback.print_exc()
+        row["error"] = f"{type(err).__name__}: {err}"
+    rows.append(row)
+    print(row, flush=True)
+    free_memory(device)
+
+
+def collect_rows(
+    weights: list[str],
+    deepinfer_rows: Callable[[str], list[dict]],
+    hf_rows: Callable[[], list[dict]] | None,
+    device: torch.device,
+) -> list[dict]:
+    """DeepInfer's rows for each weight format, then transformers' (None: skipped); a run that fails
+    as a whole becomes one error row."""
+    runs = [("deepinfer", w, lambda w=w: deepinfer_rows(w)) for w in weights]
+    if hf_rows is not None:
+        runs.append(("transformers", "bf16", hf_rows))
+    rows: list[dict] = []
+    for impl, weight, run in runs:
+        try:
+            rows += run()
+        except Exception as err:  # noqa: BLE001  (the other formats still run)
+            traceback.print_exc()
+            rows.append({"impl": impl, "weights": weight, "error": f"{type(err).__name__}: {err}"})
+        free_memory(device)
+    return rows
+
+
+def cell(value: float | None, spec: str) -> str:
+    """A table cell: `value` formatted, or '-' where it was not measured."""
+    return "-" if value is None else format(value, spec)
