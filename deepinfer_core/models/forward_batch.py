@@ -19,7 +19,7 @@ plan on the host (the reference ops loop over sequences) without a device sync.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +42,18 @@ class ForwardBatch:
     # Prefix reuse with bounded replay (engine/prefix_cache.py), per sequence; None = all zeros:
     window_starts_cpu: list[int] | None = None  # no window KV exists below this position (ring rows ignored)
     reused_lens_cpu: list[int] | None = None    # compressed entries of positions below this are cached: keep them
+    # row -> sequence index, built on first use (`row_sequences`); not copied by dataclasses.replace
+    _row_sequences: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def row_sequences(self) -> torch.Tensor:
+        """[T] int64: the sequence index of every row, built once per step on the device (every layer's
+        attention, window store and compressor ask for it)."""
+        if self._row_sequences is None:
+            counts = (self.query_start_loc[1:] - self.query_start_loc[:-1]).long()
+            self._row_sequences = torch.repeat_interleave(
+                torch.arange(self.num_seqs, device=counts.device), counts, output_size=self.num_tokens
+            )
+        return self._row_sequences
 
     @property
     def num_seqs(self) -> int:

@@ -34,10 +34,7 @@ def store_window(kv: torch.Tensor, window: torch.Tensor, batch: ForwardBatch) ->
     if t == 0:
         return
     query_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
-    row_seq = torch.repeat_interleave(
-        torch.arange(query_lens.shape[0], device=kv.device, dtype=torch.int32), query_lens, output_size=t
-    )
     _store_window_kernel[(t,)](
-        kv.contiguous(), window, batch.positions, row_seq, batch.slot_ids, batch.context_lens + query_lens,
+        kv.contiguous(), window, batch.positions, batch.row_sequences(), batch.slot_ids, batch.context_lens + query_lens,
         window.shape[1], d, window.stride(0), window.stride(1), BLOCK_D=triton.next_power_of_2(d),
     )

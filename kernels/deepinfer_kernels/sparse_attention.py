@@ -143,10 +143,7 @@ def sparse_attention(
     if tokens == 0:
         return out
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
-    query_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
-    token_seq = torch.repeat_interleave(
-        torch.arange(batch.num_seqs, device=q.device, dtype=torch.int32), query_lens.to(torch.long), output_size=tokens
-    )
+    token_seq = batch.row_sequences()
     has_entries = entries is not None
     window_starts = token_seq if batch.window_starts_cpu is None else torch.tensor(
         batch.window_starts_cpu, dtype=torch.int32).to(q.device, non_blocking=True)

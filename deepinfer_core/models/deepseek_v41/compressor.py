@@ -37,9 +37,7 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, band: BandCache) -> NewGroups:
         device = x.device
-        seq_index = torch.repeat_interleave(
-            torch.arange(batch.num_seqs, device=device), torch.tensor(batch.query_lens_cpu, device=device)
-        )
+        seq_index = batch.row_sequences()
         if self.wgate is None:
             return NewGroups(self.norm(self.wkv(x)), batch.positions.to(torch.long), seq_index)
         x32 = x.float()
