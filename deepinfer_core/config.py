@@ -119,6 +119,11 @@ class EngineConfig(BaseModel):
         description="Bitwise-identical logits for a request whatever else is in the batch; the backend must "
         "claim the batch_invariant capability. Default: DEEPINFER_BATCH_INVARIANT.",
     )
+    enforce_eager: bool = Field(
+        False,
+        description="Launch every decode step op by op; by default a backend with graphs replays decode steps "
+        "of a model that supports it from captured device graphs (engine/decode_graphs.py).",
+    )
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = Field(
         None, description="Draft with the checkpoint's MTP layer and verify in one step; None = off."

@@ -61,7 +61,10 @@ def _profile(step, device: torch.device, title: str, rows: int) -> str:
              f"{'op':32s} {'calls':>6s} {'device ms':>10s} {'host ms':>10s}"]
     for e in ops_table:
         lines.append(f"{e.key:32s} {e.count:6d} {e.device_time_total / 1e3:10.3f} {e.cpu_time_total / 1e3:10.3f}")
-    lines += ["", events.table(sort_by=sort, row_limit=rows, max_name_column_width=60), ""]
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    lines += ["", events.table(sort_by=sort, row_limit=rows, max_name_column_width=60), "",
+              f"host side: {launches} kernel launches; top calls by self host time:",
+              events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60), ""]
     return "\n".join(lines)
 
 

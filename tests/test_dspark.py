@@ -50,6 +50,7 @@ from deepinfer_core.speculative import (
 )
 from deepinfer_core.tools.tiny_checkpoint import make_tiny_dspark_checkpoint
 from deepinfer_core.weights.loader import load_model_weights
+from v41_fixtures import garbage
 
 CPU = torch.device("cpu")
 N_DRAFT = 4          # the tiny config's dspark_block_size; the window is 8
@@ -64,13 +65,6 @@ BUDGET = 16          # tokens per step: the longer prompts are prefilled in chun
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_dspark_checkpoint(tmp_path_factory.mktemp("dspark") / "tiny-v41-dspark")
-
-
-def garbage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Cache storage starts as noise: nothing may be read before it is written."""
-    if dtype.is_floating_point and dtype.itemsize > 1:
-        return torch.randn(shape).to(dtype)
-    return torch.randint(0, 256, shape, dtype=torch.int32).to(torch.uint8).view(dtype)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Triton `rope`, `indexer_topk` and `store_window` against the reference ops, through the interpreter.
+"""Triton `rope`, `indexer_topk`, `store_window` and `gather_rows` against the reference ops, through the interpreter.
 
 Inputs are the conformance cases' (random mixed prefill + decode steps over a paged cache), plus an
 indexer step with more entries than one tile and queries spanning several query tiles.
@@ -17,6 +17,7 @@ from deepinfer_core.platform.op_cases import OP_CASES
 from deepinfer_kernels.cache_writes import store_window
 from deepinfer_kernels.indexer import indexer_topk
 from deepinfer_kernels.rope import rope
+from deepinfer_kernels.row_gather import gather_rows
 
 # rope: cos/sin rounded to the dtype on both sides; float32 differs by libm ulps, bf16 by a rare flip.
 ROPE_TOL = {torch.float32: 1e-6, torch.bfloat16: 8e-3}
@@ -66,3 +67,33 @@ def test_indexer_topk_matches_reference_across_tiles(dtype):
     # which can swap two entries whose scores agree to ~1e-7: compare sets, and order where scores differ
     assert torch.equal(out.sort(dim=-1).values, ref.sort(dim=-1).values)
     assert (out == ref).float().mean() > 0.98
+
+
+def test_indexer_topk_under_a_graph_bound_equals_exact_sizes():
+    """A captured decode step sizes the scores from `max_seq_len`, not the host context lengths; reading
+    those lists would bake one step's values into every replay, so here they raise."""
+    from dataclasses import replace
+
+    from deepinfer_core.platform.op_cases import _step_batch
+
+    gen = torch.Generator().manual_seed(8)
+    ratio, topk = 4, 7
+    batch = _step_batch(gen, [1, 1, 1], [57, 3, 130], 3, blocks_per_seq=12, num_blocks=40)
+    keys = torch.randn(40, 4, 16, generator=gen)
+    q, weights = torch.randn(3, 8, 16, generator=gen), torch.randn(3, 8, generator=gen)
+    exact = indexer_topk(q, weights, keys, ratio, topk, batch)
+
+    class Unreadable(list):
+        def __iter__(self):
+            raise AssertionError("read a host list")
+
+    bounded = replace(batch, max_seq_len=256, context_lens_cpu=Unreadable(), block_tables_cpu=Unreadable())
+    assert torch.equal(indexer_topk(q, weights, keys, ratio, topk, bounded), exact)
+
+
+@pytest.mark.parametrize("name", ["host_table_repeated_ids", "host_fp8_rows", "host_e8m0_scales"])
+def test_gather_rows_is_exact(name):
+    (table, ids), _ = _case_inputs("gather_rows", name, torch.bfloat16)
+    got = gather_rows(table, ids)
+    assert got.dtype == table.dtype
+    assert torch.equal(got.view(torch.uint8), KernelOps().gather_rows(table, ids).view(torch.uint8))

@@ -35,10 +35,12 @@ def golden(name: str, quantized: bool) -> dict[str, torch.Tensor]:
     return load_file(str(FIXTURES / name / ("golden.safetensors" if quantized else "golden_noqat.safetensors")))
 
 
-def _garbage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def garbage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Cache storage starts as noise: nothing may be read before it is written."""
     if dtype.is_floating_point and dtype.itemsize > 1:
         return torch.randn(shape).to(dtype)
+    if dtype.itemsize > 1:  # integer state (the engram look-back)
+        return torch.randint(-2**31, 2**31, shape, dtype=dtype)
     return torch.randint(0, 256, shape, dtype=torch.int32).to(torch.uint8).view(dtype)
 
 
@@ -50,7 +52,7 @@ class Runner:
         self.blocks_per_seq = -(-max_tokens // BLOCK_SIZE)
         self.cache = DeepseekV41Cache(
             m.config, num_blocks=num_slots * self.blocks_per_seq, block_size=BLOCK_SIZE, num_slots=num_slots,
-            dtype=torch.float32, allocate=_garbage, kv_cache_dtype=m.kv_cache_dtype,
+            dtype=torch.float32, allocate=garbage, kv_cache_dtype=m.kv_cache_dtype,
         )
         self.lens = [0] * num_slots
 

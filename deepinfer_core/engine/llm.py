@@ -18,6 +18,7 @@ import torch
 
 from deepinfer_core.config import EngineConfig, ParallelConfig, PrefixCachingConfig, SchedulerConfig
 from deepinfer_core.engine.chat import encode_conversation, split_images
+from deepinfer_core.engine.decode_graphs import DecodeGraphs
 from deepinfer_core.engine.engine import LLMEngine
 from deepinfer_core.engine.images import (
     ImageInputError,
@@ -91,6 +92,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         speculative: SpeculativeConfig | None = None,
         batch_invariant: bool | None = None,
+        enforce_eager: bool = False,
         ep: int = 1,
         dp: int = 1,
         cp: int = 1,
@@ -121,6 +123,7 @@ class LLM:
             parallel=ParallelConfig(ep=ep, dp=dp, cp=cp, num_redundant_experts=num_redundant_experts,
                                     eplb_interval_steps=eplb_interval_steps, timeout_s=parallel_timeout_s),
             **({} if batch_invariant is None else {"batch_invariant": batch_invariant}),
+            enforce_eager=enforce_eager,
             prefix_caching=PrefixCachingConfig(enabled=enable_prefix_caching, reuse=prefix_reuse,
                                                decoder_replay_span=decoder_replay_span,
                                                num_snapshots=num_prefix_snapshots),
@@ -215,9 +218,19 @@ class LLM:
             max_useful_blocks=num_slots * -(-self.max_model_len // block_size),
             num_snapshots=0 if reuse is None else reuse.num_snapshots,
         )
-        cache = cache_cls(self.model_config, num_blocks=plan.num_blocks, block_size=plan.block_size,
-                          num_slots=plan.num_slots + plan.num_snapshots, dtype=self.dtype, allocate=memory.allocate,
-                          **kv_options)
+        graphs = (not config.enforce_eager and self.capabilities.graphs and memory.supports_graphs and not parallel
+                  and config.speculative is None and getattr(model, "decode_graphs", False))
+        spare = int(graphs)  # a slot and a block that only graph padding rows touch
+        slots = plan.num_slots + plan.num_snapshots
+        cache = cache_cls(self.model_config, num_blocks=plan.num_blocks + spare, block_size=plan.block_size,
+                          num_slots=slots + spare, dtype=self.dtype, allocate=memory.allocate, **kv_options)
+        decode_graphs = None
+        if graphs:
+            decode_graphs = DecodeGraphs(
+                lambda batch: model.compute_logits(model.forward(batch, cache).hidden[batch.logits_indices]),
+                memory, self.backend.device, spare_slot=slots, spare_block=plan.num_blocks,
+                block_size=plan.block_size, max_num_seqs=num_slots, max_model_len=self.max_model_len,
+            )
         self.kv = KVCacheManager(plan, reuse)
         eos = self.model_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -226,7 +239,7 @@ class LLM:
         return LLMEngine(
             scheduler=Scheduler(config.scheduler, self.kv),
             runner=ModelRunner(self.model, cache, self.backend, config.scheduler.max_num_seqs,
-                               config.speculative, draft_layers=draft_layers),
+                               config.speculative, draft_layers=draft_layers, decode_graphs=decode_graphs),
             tokenizer=self.tokenizer,
             eos_token_ids=eos_ids,
             max_model_len=self.max_model_len,

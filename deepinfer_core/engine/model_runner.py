@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.engine.decode_graphs import DecodeGraphs
 from deepinfer_core.engine.grammar_bitmask import GrammarBitmask
 from deepinfer_core.engine.prefix_cache import restore_slot_state
 from deepinfer_core.engine.sampler import SamplingTensors, compute_logprobs
@@ -63,7 +64,6 @@ class PreparedStep:
     constrained: bool                               # some sampling row follows a grammar
     num_sample_rows: int                            # logits rows of the sampling sequences (1 + drafts each)
     speculative: SpeculativePlan | None = None
-    engram_rows: dict[int, torch.Tensor] | None = None  # V4.1: engram table rows gathered in `prepare`
     images: StepImages | None = None                # V4.1: the step's image-span rows and vectors
 
 
@@ -135,8 +135,10 @@ class ModelRunner:
     def __init__(
         self, model: Any, cache: Any, backend: Backend, max_num_seqs: int,
         speculative: SpeculativeConfig | None = None, draft_layers: Any = None,
+        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
+        self.decode_graphs = decode_graphs  # replays plain decode steps (engine/decode_graphs.py)
         self.cache = cache
         self.ops = model.ops  # the model's own ops object: it carries the engine's batch-invariant mode
         self.memory = backend.memory()
@@ -177,7 +179,7 @@ class ModelRunner:
                 offsets, vectors = seq.images.rows_between(item.start, item.start + item.num_tokens)
                 image_rows.extend(first + offset for offset in offsets)
                 image_vectors.extend(vectors)
-            if item.prefix_hit:  # queued before this step's forward, and before its engram gather below
+            if item.prefix_hit:  # queued before this step's forward (V4.1's engram hash reads the look-back)
                 restore_slot_state(self.model, self.cache, seq.slot_id, item.restore_slot, seq.token_ids, item.start)
             tokens = seq.token_ids[item.start:item.start + item.num_tokens - len(item.draft)] + item.draft
             for offset, token in enumerate(tokens):
@@ -233,13 +235,6 @@ class ModelRunner:
             images = None
             if image_rows:
                 images = StepImages(self._to_device(image_rows, torch.int64), image_rows, torch.cat(image_vectors))
-            engram_rows = None
-            if not pending_rows and hasattr(self.model, "gather_engram_rows"):
-                # V4.1's engram lookup needs only the tokens: with all of them on the host it runs here,
-                # while the previous step may still be on the device. A step that feeds back the
-                # in-flight sample gathers in its forward instead.
-                dead = {} if images is None else {"dead_rows": image_rows}  # image-span tokens
-                engram_rows = self.model.gather_engram_rows(batch, self.cache, torch.tensor(input_ids), **dead)
             ready = self.memory.new_event()
             ready.record(self.copy_stream)
         return PreparedStep(
@@ -259,7 +254,6 @@ class ModelRunner:
             constrained=any(seq.pending_grammar is not None for seq in sampling_seqs),
             num_sample_rows=len(logits_rows),
             speculative=speculative,
-            engram_rows=engram_rows,
             images=images,
         )
 
@@ -279,10 +273,11 @@ class ModelRunner:
         if step.speculative is not None:
             verified = [1 + len(item.draft) if item.draft else 0 for item in step.scheduled]
             snapshot = self._rollback.take(batch, verified)
-        ahead = {} if step.engram_rows is None else {"engram_rows": step.engram_rows}
-        if step.images is not None:
-            ahead["images"] = step.images
-        out = self.model.forward(batch, self.cache, **ahead)
+        if self._replayable(step):
+            logits = self.decode_graphs.logits(batch)
+            return LaunchedForward(step, logits, start_event, time.perf_counter() - started)
+        images = {} if step.images is None else {"images": step.images}
+        out = self.model.forward(batch, self.cache, **images)
         for fork in step.forks:
             self.cache.copy_sequence(*fork)
         for item in step.scheduled:  # exact prefix reuse: the window state at the end of this chunk
@@ -291,6 +286,12 @@ class ModelRunner:
         logits = self.model.compute_logits(out.hidden[batch.logits_indices])
         return LaunchedForward(step, logits, start_event, time.perf_counter() - started,
                                self.drafter.target_features(out) if snapshot is not None else None, snapshot)
+
+    def _replayable(self, step: PreparedStep) -> bool:
+        """A plain decode step: no forks, snapshots, prompt log-probs or images (speculation builds no graphs)."""
+        return (self.decode_graphs is not None and step.images is None and not step.forks
+                and not step.prompt_lp_seqs and all(item.snapshot_slot < 0 for item in step.scheduled)
+                and self.decode_graphs.covers(step.batch))
 
     @torch.inference_mode()
     def launch_sampling(self, forward: LaunchedForward) -> StepResult:

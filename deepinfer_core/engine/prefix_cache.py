@@ -43,10 +43,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
-from deepinfer_core.models.deepseek_v41.engram import DEAD
-
 if TYPE_CHECKING:
     from deepinfer_core.config import EngineConfig
 
@@ -197,12 +193,7 @@ def restore_slot_state(model: Any, cache: Any, slot: int, snapshot_slot: int, to
     hasher = getattr(model, "hasher", None)
     if hasher is None:
         return
-    history = cache.engram_history
-    width = history.shape[1]
-    before = torch.tensor(token_ids[max(0, start - width):start], dtype=torch.int64)
-    row = torch.full((width,), DEAD, dtype=torch.int64)
-    row[width - before.numel():] = hasher.token_map[before]
-    history[slot] = row
+    cache.engram_history[slot].copy_(hasher.lookback(token_ids[:start]), non_blocking=True)
 
 
 class PrefixReuseUnavailable(ValueError):

@@ -14,16 +14,37 @@ Layout of one step with S sequences and T = sum(query_lens) tokens:
   entries and indexer keys of positions below reused_lens[i] as they are.
 
 Device tensors feed the kernels; the `_cpu` lists are the same numbers on the host, for ops that
-plan on the host (the reference ops loop over sequences) without a device sync.
+plan on the host (the reference ops loop over sequences) without a device sync. A step captured in a
+device graph has no per-sequence host values (they change at every replay): only `query_lens_cpu` (all
+ones in a decode step) and `max_seq_len` are there, and reading the other lists raises.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ForwardBatch"]
+__all__ = ["ForwardBatch", "NotOnHost"]
+
+
+class NotOnHost(Sequence):
+    """A per-sequence host list of a step captured in a device graph, whose values change at every
+    replay: its length is known, reading it raises."""
+
+    def __init__(self, length: int, name: str) -> None:
+        self._length, self._name = length, name
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):
+        raise RuntimeError(
+            f"an op read ForwardBatch.{self._name} while a decode step was captured in a device graph, where "
+            "those host values change at every replay; size the work from `max_seq_len` and the device "
+            "tensors, or run this model with enforce_eager=True"
+        )
 
 
 @dataclass(slots=True)
@@ -42,6 +63,9 @@ class ForwardBatch:
     # Prefix reuse with bounded replay (engine/prefix_cache.py), per sequence; None = all zeros:
     window_starts_cpu: list[int] | None = None  # no window KV exists below this position (ring rows ignored)
     reused_lens_cpu: list[int] | None = None    # compressed entries of positions below this are cached: keep them
+    # Device-graph capture (engine/decode_graphs.py): a bound on context_len + query_len of every sequence
+    # at every replay. Ops that size work from the host lists size it from this instead; None = exact sizes.
+    max_seq_len: int | None = None
     # row -> sequence index, built on first use (`row_sequences`); not copied by dataclasses.replace
     _row_sequences: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 

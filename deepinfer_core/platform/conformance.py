@@ -94,8 +94,8 @@ def _run_case(
     device: torch.device,
 ) -> CaseResult:
     args, kwargs = case.make_inputs(generator, dtype)
-    ref_args, ref_kwargs = _to_device((args, kwargs), device)
-    got_args, got_kwargs = _to_device((args, kwargs), device)
+    ref_args, ref_kwargs = _to_device((args, kwargs), device, case.host_args)
+    got_args, got_kwargs = _to_device((args, kwargs), device, case.host_args)
     try:
         expected = getattr(reference, case.op)(*ref_args, **ref_kwargs)
     except Exception as exc:
@@ -116,7 +116,11 @@ def _run_case(
     return CaseResult(case.op, case.name, dtype, True, f"max abs err {worst:.3g}")
 
 
-def _to_device(value: Any, device: torch.device) -> Any:
+def _to_device(value: Any, device: torch.device, host_args: tuple[int, ...] = ()) -> Any:
+    if host_args:  # (args, kwargs) of a case whose listed positional args stay in host memory
+        args, kwargs = value
+        args = tuple(arg.clone() if i in host_args else _to_device(arg, device) for i, arg in enumerate(args))
+        return args, _to_device(kwargs, device)
     if isinstance(value, torch.Tensor):
         return value.to(device, copy=True)
     if isinstance(value, (tuple, list)):
@@ -137,8 +141,8 @@ def _leaves(value: Any, path: str) -> list[tuple[str, Any]]:
     if isinstance(value, dict):
         return [leaf for key in sorted(value) for leaf in _leaves(value[key], f"{path}[{key!r}]")]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [
-            leaf for f in dataclasses.fields(value)
+        return [  # compare=False fields are memos (ForwardBatch's row map), not values an op may change
+            leaf for f in dataclasses.fields(value) if f.compare
             for leaf in _leaves(getattr(value, f.name), f"{path}.{f.name}")
         ]
     return [(path, value)]

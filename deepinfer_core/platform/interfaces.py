@@ -225,7 +225,8 @@ class MemoryManager(ABC):
         """Run `fn` `warmup_iters` times, then capture one call of it into a replayable graph.
 
         `fn` must only touch tensors that stay alive (and keep their addresses) while the graph
-        is replayed. Raises `GraphCaptureUnsupported` where `supports_graphs` is False.
+        is replayed. Graphs of one manager may share scratch memory: replay them one at a time, in
+        stream order. Raises `GraphCaptureUnsupported` where `supports_graphs` is False.
         """
 
 

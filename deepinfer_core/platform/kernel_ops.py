@@ -105,6 +105,15 @@ class KernelOps:
         """Rows of `weight` [V, D] for int64 `ids` [T]; returns [T, D] in weight.dtype. Exact."""
         return torch.nn.functional.embedding(ids, weight)
 
+    def gather_rows(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of `table` [R, W] (any dtype; it may live in host memory, as V4.1's ~100 GB engram
+        tables do) for int64 `ids` [N] on the compute device; returns [N, W] in table.dtype on ids'
+        device. Exact. This reference reads the ids back to the table's device, which waits for the
+        stream when they differ: a backend whose device can read host memory overrides it with a
+        zero-copy gather so that a step never waits on the host.
+        """
+        return table.index_select(0, ids.to(table.device)).to(ids.device)
+
     @row_tiled("x", "positions")
     def rope(
         self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False

@@ -35,6 +35,7 @@ class OpCase:
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
     rtol: dict[torch.dtype, float] = field(default_factory=dict)
     atol: dict[torch.dtype, float] = field(default_factory=dict)
+    host_args: tuple[int, ...] = ()  # positional args that stay in host memory (e.g. an engram table)
 
 
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -154,6 +155,16 @@ def _bounded_replay_attention_inputs(gen, dt):
     return (*args[:5], replace(batch, window_starts_cpu=starts)), kwargs
 
 
+def _gather_rows_inputs(gen, dt, width):
+    if dt == torch.float8_e8m0fnu:
+        table = torch.randint(100, 150, (300, width), generator=gen, dtype=torch.uint8).view(dt)
+    else:
+        table = _randn(gen, 300, width, dtype=dt)
+    ids = torch.randint(0, 300, (37,), generator=gen)
+    ids[5] = ids[20] = 299  # a repeated id and the last row
+    return (table, ids), {}
+
+
 def _store_window_inputs(gen, dt):
     batch = _step_batch(gen, _QUERY_LENS, _CONTEXT_LENS, 6, blocks_per_seq=4, num_blocks=24)
     return (_randn(gen, batch.num_tokens, 32, dtype=dt), _randn(gen, 6, 8, 32, dtype=dt), batch), {}
@@ -254,6 +265,15 @@ OP_CASES: list[OpCase] = [
     OpCase(
         "embedding", "rows",
         lambda g, dt: ((torch.randint(0, 50, (17,), generator=g), _randn(g, 50, 24, dtype=dt)), {}),
+    ),
+    OpCase("gather_rows", "host_table_repeated_ids", lambda g, dt: _gather_rows_inputs(g, dt, 40), host_args=(0,)),
+    OpCase(
+        "gather_rows", "host_fp8_rows", lambda g, dt: _gather_rows_inputs(g, torch.float8_e4m3fn, 48),
+        dtypes=(torch.float32,), host_args=(0,),
+    ),
+    OpCase(  # e8m0 row scales: 3 bytes a row, not a whole number of words
+        "gather_rows", "host_e8m0_scales", lambda g, dt: _gather_rows_inputs(g, torch.float8_e8m0fnu, 3),
+        dtypes=(torch.float32,), host_args=(0,),
     ),
     OpCase("rope", "forward", lambda g, dt: _rope_inputs(g, dt, False), rtol=_TOL_RTOL, atol=_TOL_ATOL),
     OpCase("rope", "inverse", lambda g, dt: _rope_inputs(g, dt, True), rtol=_TOL_RTOL, atol=_TOL_ATOL),

@@ -63,30 +63,43 @@ def indexer_supported(q: torch.Tensor, index_keys: torch.Tensor) -> bool:
     return di >= 16 and di & (di - 1) == 0 and index_keys.dtype == q.dtype and q.dtype in (torch.bfloat16, torch.float32)
 
 
+def _query_tiles(query_lens: list[int], device: torch.device) -> torch.Tensor:
+    """[3, tiles] int32 (sequence, first row, end row) of every BLOCK_Q-row query tile. A decode step
+    (one row a sequence) builds it on the device, so a captured graph holds no host copy."""
+    if all(n == 1 for n in query_lens):
+        rows = torch.arange(len(query_lens), dtype=torch.int32, device=device)
+        return torch.stack([rows, rows, rows + 1])
+    tile_seq, tile_start, tile_end, row = [], [], [], 0
+    for i, n_q in enumerate(query_lens):
+        for first in range(row, row + n_q, _BLOCK_Q):
+            tile_seq.append(i)
+            tile_start.append(first)
+            tile_end.append(row + n_q)
+        row += n_q
+    return torch.tensor([tile_seq, tile_start, tile_end], dtype=torch.int32).to(device, non_blocking=True)
+
+
 def indexer_topk(
     q: torch.Tensor, head_weights: torch.Tensor, index_keys: torch.Tensor, ratio: int, topk: int, batch: ForwardBatch
 ) -> torch.Tensor:
     """`KernelOps.indexer_topk`: int64 [T, topk] visible entries by descending score, -1 padded."""
     t, h, di = q.shape
     device = q.device
-    n_entries = [(c + n) // ratio for c, n in zip(batch.context_lens_cpu, batch.query_lens_cpu)]
-    width = max(n_entries, default=0)
+    # entries per sequence on the device; the score width from the host (or the graph's bound)
+    n_entries = ((batch.context_lens + batch.query_start_loc[1:] - batch.query_start_loc[:-1]) // ratio).int()
+    if batch.max_seq_len is not None:
+        width = batch.max_seq_len // ratio
+    else:
+        width = max((c + n) // ratio for c, n in zip(batch.context_lens_cpu, batch.query_lens_cpu)) if t else 0
     out = torch.full((t, topk), -1, dtype=torch.long, device=device)
     if t == 0 or width == 0:
         return out
-    tile_seq, tile_start, tile_end, row = [], [], [], 0
-    for i, n_q in enumerate(batch.query_lens_cpu):
-        for first in range(row, row + n_q, _BLOCK_Q):
-            tile_seq.append(i)
-            tile_start.append(first)
-            tile_end.append(row + n_q)
-        row += n_q
-    meta = torch.tensor([tile_seq, tile_start, tile_end], dtype=torch.int32).to(device, non_blocking=True)
+    tiles = _query_tiles(batch.query_lens_cpu, device)
     scores = torch.empty(t, width, dtype=torch.float32, device=device)
-    _indexer_scores_kernel[(len(tile_seq), triton.cdiv(width, _BLOCK_W))](
+    _indexer_scores_kernel[(tiles.shape[1], triton.cdiv(width, _BLOCK_W))](
         q.contiguous(), head_weights.contiguous(), index_keys, batch.block_tables,
-        torch.tensor(n_entries, dtype=torch.int32).to(device, non_blocking=True), batch.positions,
-        meta[0], meta[1], meta[2], scores, h, ratio, index_keys.shape[1], batch.block_tables.stride(0),
+        n_entries, batch.positions,
+        tiles[0], tiles[1], tiles[2], scores, h, ratio, index_keys.shape[1], batch.block_tables.stride(0),
         index_keys.stride(0), index_keys.stride(1), width, h ** -0.5, di ** -0.5,
         DI=di, IEEE=q.dtype == torch.float32, BLOCK_Q=_BLOCK_Q, BLOCK_W=_BLOCK_W,
     )

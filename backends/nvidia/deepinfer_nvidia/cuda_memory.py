@@ -27,6 +27,7 @@ class CudaGraph:
 class CudaMemoryManager(MemoryManager):
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._graph_pool = None  # one memory pool for every graph this manager captures
 
     def memory_info(self) -> MemoryInfo:
         free, total = torch.cuda.mem_get_info(self.device)
@@ -64,7 +65,11 @@ class CudaMemoryManager(MemoryManager):
             for _ in range(warmup_iters):
                 fn()
         current.wait_stream(side)
+        # Graphs share one pool (they replay one at a time on one stream), so a graph per decode batch
+        # size and context bound costs the largest one's scratch memory, not the sum.
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self._graph_pool):
             output = fn()
         return CudaGraph(graph, output)

@@ -16,6 +16,7 @@ import torch
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
 from deepinfer_nvidia.decode_compress import compress_kv_decode, is_decode_step
+from deepinfer_nvidia.host_tables import device_readable
 
 __all__ = ["TritonOps"]
 
@@ -27,7 +28,8 @@ class TritonOps(KernelOps):
 
     def __init__(self) -> None:
         from deepinfer_kernels import (
-            cache_writes, fused_moe, hyper_connection, indexer, linear, rms_norm, rope, sparse_attention,
+            cache_writes, fused_moe, hyper_connection, indexer, linear, rms_norm, rope, row_gather,
+            sparse_attention,
         )
 
         self._rms_norm = rms_norm.rms_norm
@@ -45,6 +47,7 @@ class TritonOps(KernelOps):
         self._indexer_topk = indexer.indexer_topk
         self._indexer_supported = indexer.indexer_supported
         self._store_window = cache_writes.store_window
+        self._gather_rows = row_gather.gather_rows
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         return self._rms_norm(x, weight, eps)
@@ -157,6 +160,10 @@ class TritonOps(KernelOps):
 
     def store_window(self, kv: torch.Tensor, window: torch.Tensor, batch: ForwardBatch) -> None:
         self._store_window(kv, window, batch)
+
+    def gather_rows(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        # Zero-copy from host memory: the ids never come back to the host, so the step does not wait.
+        return self._gather_rows(device_readable(table), ids)
 
     def compress_kv(
         self, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,

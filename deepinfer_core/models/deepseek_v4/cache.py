@@ -98,8 +98,8 @@ class DeepseekV4Cache:
     def copy_sequence(self, src_slot: int, dst_slot: int, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Make sequence dst's state a copy of src's: its slot state and blocks `src_blocks` into
         `dst_blocks` (pairwise). The engine forks a prefilled prompt into n > 1 completions with it."""
-        src_rows = torch.tensor(src_blocks, dtype=torch.long, device=self.layers[0].window.device)
-        dst_rows = torch.tensor(dst_blocks, dtype=torch.long, device=self.layers[0].window.device)
+        src_rows, dst_rows = torch.tensor([src_blocks, dst_blocks], dtype=torch.long).to(
+            self.layers[0].window.device, non_blocking=True)  # pageable + non_blocking: no stream sync
         for layer in self.layers:
             layer.window[dst_slot].copy_(layer.window[src_slot])
             for state in (layer.compressor, layer.indexer):

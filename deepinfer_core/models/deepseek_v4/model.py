@@ -58,6 +58,10 @@ class DeepseekV4ForCausalLM(nn.Module):
       (positions, slots, context_lens of the MTP layer's own window); `batch.input_ids` is not read.
     """
 
+    # A decode step's forward reads no per-sequence host values on a backend whose ops size their work
+    # from the device tensors (engine/decode_graphs.py), so the engine may replay it from a device graph.
+    decode_graphs = True
+
     def __init__(
         self,
         config: DeepseekV4Config,

@@ -6,7 +6,8 @@ Per slot (fixed size, indexed by `ForwardBatch.slot_ids`):
   the extra row is never visible to the next query);
 - per band (KV source layer) with ratio r > 1, `open_kv` / `open_gate` [num_slots, r, head_dim] float32:
   raw compressor projections of the group still open after the step, position p at p % r;
-- `engram_history` [num_slots, max_ngram_size - 1] int64, host: compressed ids before the step.
+- `engram_history` [num_slots, max_ngram_size - 1] int64 (on the device, where the step hashes):
+  compressed ids before the step.
 Paged (block_size tokens a block, indexed by `ForwardBatch.block_tables`), per band:
 - `entries` [num_blocks, block_size // r] vectors of head_dim: compressed entries (post-RoPE), entry w
   at block block_table[(w*r) // block_size], offset ((w*r) % block_size) // r;
@@ -78,15 +79,14 @@ class DeepseekV41Cache:
                 allocate((num_slots, ratio, c.head_dim), _OPEN_GROUP_DTYPE) if pooled else None,
                 allocate((num_slots, ratio, c.head_dim), _OPEN_GROUP_DTYPE) if pooled else None,
             )
-        self.engram_history = torch.full((num_slots, c.engram_max_ngram_size - 1), -1, dtype=torch.int64)
+        self.engram_history = allocate((num_slots, c.engram_max_ngram_size - 1), torch.int64).fill_(-1)
 
     def copy_sequence(self, src_slot: int, dst_slot: int, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Make sequence dst's state a copy of src's: its slot state (windows, open groups, engram
         look-back) and blocks `src_blocks` into `dst_blocks` (pairwise), codes and scales as stored.
         The engine forks a prefilled prompt into n > 1 completions with it."""
         device = self.windows[0].parts[0].device
-        src_rows = torch.tensor(src_blocks, dtype=torch.long, device=device)
-        dst_rows = torch.tensor(dst_blocks, dtype=torch.long, device=device)
+        src_rows, dst_rows = torch.tensor([src_blocks, dst_blocks], dtype=torch.long).to(device, non_blocking=True)
         for window in self.windows:
             for part in window.parts:
                 part[dst_slot].copy_(part[src_slot])

@@ -1,13 +1,17 @@
 """Engram conditional memory (MODEL_SPEC_V41 §6): n-gram hash ids from the tokens, table rows, gated injection.
 
 The hash ids of a token depend only on the token ids (through the tokenizer-derived compressed
-vocabulary), so they are computed on the host. The tables (~100 GB each in the release) stay in host
-memory: `Engram.forward` gathers the step's rows there and moves only those rows to the device.
+vocabulary). They are computed on the model's device, from the step's device token ids, so a decode
+step that feeds back the token still being sampled never waits for the host. The tables (~100 GB each
+in the release) stay in host memory; `KernelOps.gather_rows` reads the step's rows from there (zero-copy
+on the nvidia backend) and only those rows reach the device.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -84,6 +88,10 @@ class EngramHasher:
     For position t and shift s, the n-gram token is the id at t-s, or the pad id once any shift <= s
     is DEAD. Hash of the n-gram ending at shift n: XOR over s <= n of id_s * multiplier_s (int64), mod
     each head's prime, plus the head's table offset.
+
+    `step` runs where the history lives (the model's device): it reads the step's token ids there, so a
+    step that feeds back the token still being sampled hashes it without the host waiting for it. Only
+    index tensors built from the host's query lengths cross to the device (one copy a step).
     """
 
     def __init__(self, config: DeepseekV41TextConfig, token_map: list[int]) -> None:
@@ -91,14 +99,29 @@ class EngramHasher:
         if len(token_map) < c.vocab_size:
             raise ValueError(f"compressed token map covers {len(token_map)} ids, fewer than vocab_size {c.vocab_size}")
         self.ngram = c.engram_max_ngram_size
-        self.token_map = torch.tensor(token_map, dtype=torch.int64)
+        self.token_map = torch.tensor(token_map, dtype=torch.int64)  # host: look-backs rebuilt from host tokens
         self.pad_id = token_map[c.engram_pad_id]
         primes = engram_primes(c.engram_layer_ids, c.engram_max_ngram_size, c.engram_n_heads, c.engram_vocab_size)
-        self.primes = torch.tensor(primes, dtype=torch.int64)            # [L, N-1, heads]
-        self.offsets = torch.tensor(engram_offsets(primes), dtype=torch.int64)  # [L, (N-1)*heads]
-        self.multipliers = torch.from_numpy(
-            engram_multipliers(c.engram_layer_ids, c.engram_max_ngram_size, c.engram_compressed_vocab_size)
-        )  # [L, N]
+        multipliers = engram_multipliers(c.engram_layer_ids, c.engram_max_ngram_size, c.engram_compressed_vocab_size)
+        self._constants = {HOST: _HashConstants(
+            self.token_map,
+            torch.from_numpy(multipliers),                               # [L, N]
+            torch.tensor(primes, dtype=torch.int64),                     # [L, N-1, heads]
+            torch.tensor(engram_offsets(primes), dtype=torch.int64),     # [L, (N-1)*heads]
+        )}
+
+    def _on(self, device: torch.device) -> _HashConstants:
+        if device not in self._constants:
+            self._constants[device] = _HashConstants(*(t.to(device) for t in self._constants[HOST]))
+        return self._constants[device]
+
+    def lookback(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """[N-1] host look-back after a sequence's `token_ids` (their last N-1 compressed ids, DEAD in front)."""
+        width = self.ngram - 1
+        tail = torch.tensor(list(token_ids)[max(0, len(token_ids) - width):], dtype=torch.int64)
+        row = torch.full((width,), DEAD, dtype=torch.int64)
+        row[width - tail.numel():] = self.token_map[tail]
+        return row
 
     def ngram_tokens(self, history: torch.Tensor, new_ids: torch.Tensor) -> torch.Tensor:
         """[q, N] n-gram tokens (shift-major) of q new compressed ids after `history` [N-1]."""
@@ -109,29 +132,38 @@ class EngramHasher:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """For sequences with look-backs `before` [S, N-1] and new ids `new_ids` [T] (query_lens[s] each,
         concatenated): their n-gram tokens [T, N] and each sequence's look-back after them [S, N-1].
-        One pass over the whole batch: a per-sequence loop costs ~0.25 ms a sequence on the host."""
-        lookback = self.ngram - 1
+        One pass over the whole batch: a per-sequence loop costs ~0.25 ms a sequence on the host.
+        The positions are planned on the host (they depend only on `query_lens`) and sent in one copy."""
+        lookback, num_tokens = self.ngram - 1, new_ids.shape[0]
         q = torch.tensor(query_lens, dtype=torch.int64)
         joined_len = q + lookback
         joined_start = torch.cumsum(joined_len, 0) - joined_len  # each sequence: its look-back, then its new ids
         owner = torch.repeat_interleave(torch.arange(len(query_lens)), q)
-        new_pos = torch.arange(new_ids.shape[0]) + (joined_start + lookback - (torch.cumsum(q, 0) - q))[owner]
-        joined = torch.empty(int(joined_len.sum()), dtype=torch.int64)
-        joined[(joined_start[:, None] + torch.arange(lookback)).flatten()] = before.flatten()
-        joined[new_pos] = new_ids
-        tokens = joined[new_pos[:, None] - torch.arange(self.ngram)]
+        new_pos = torch.arange(num_tokens) + (joined_start + lookback - (torch.cumsum(q, 0) - q))[owner]
+        plan = torch.cat([
+            (joined_start[:, None] + torch.arange(lookback)).flatten(),    # where the look-backs go
+            new_pos,                                                       # where the new ids go
+            (new_pos[:, None] - torch.arange(self.ngram)).flatten(),       # each token's n-gram
+            ((joined_start + q)[:, None] + torch.arange(lookback)).flatten(),  # each sequence's new look-back
+        ]).to(new_ids.device, non_blocking=True)
+        old_at, new_at, ngram_at, tail_at = plan.split(
+            [before.numel(), num_tokens, num_tokens * self.ngram, before.numel()])
+        joined = torch.empty(int(joined_len.sum()), dtype=torch.int64, device=new_ids.device)
+        joined[old_at] = before.flatten()
+        joined[new_at] = new_ids
+        tokens = joined[ngram_at].view(num_tokens, self.ngram)
         dead = torch.cummax((tokens == DEAD).to(torch.int64), dim=1).values.bool()
-        tails = joined[(joined_start + q)[:, None] + torch.arange(lookback)]
-        return torch.where(dead, torch.full_like(tokens, self.pad_id), tokens), tails
+        return tokens.masked_fill(dead, self.pad_id), joined[tail_at].view(before.shape)
 
     def hash(self, tokens: torch.Tensor) -> torch.Tensor:
         """[q, N] n-gram tokens -> [q, L, (N-1)*heads] table row ids."""
-        products = tokens[:, None, :] * self.multipliers[None]  # [q, L, N]
+        k = self._on(tokens.device)
+        products = tokens[:, None, :] * k.multipliers[None]  # [q, L, N]
         rolling, ids = products[..., 0], []
         for n in range(1, self.ngram):
             rolling = torch.bitwise_xor(rolling, products[..., n])
-            ids.append(rolling.unsqueeze(-1) % self.primes[None, :, n - 1])
-        return torch.cat(ids, dim=-1) + self.offsets[None]
+            ids.append(rolling.unsqueeze(-1) % k.primes[None, :, n - 1])
+        return torch.cat(ids, dim=-1) + k.offsets[None]
 
     def step(
         self,
@@ -140,18 +172,29 @@ class EngramHasher:
         input_ids: torch.Tensor | None = None,
         dead_rows: list[int] | None = None,
     ) -> torch.Tensor:
-        """Hash ids of every token of `batch` (host int64); updates `history` [num_slots, N-1] per slot.
-        `input_ids`: the batch's token ids already on the host (saves reading them back from the device);
-        `dead_rows`: rows that are image-span tokens, DEAD in the history like positions before the start."""
-        compressed = self.token_map[(batch.input_ids if input_ids is None else input_ids).to(HOST)]
+        """Hash ids of every token of `batch`, on `history`'s device; updates `history` [num_slots, N-1]
+        per slot. `input_ids`: the batch's token ids (default `batch.input_ids`); `dead_rows`: rows that
+        are image-span tokens, DEAD in the history like positions before the start."""
+        device = history.device
+        ids = batch.input_ids if input_ids is None else input_ids
+        compressed = self._on(device).token_map[ids.to(device)]
+        slots_fresh = torch.tensor(
+            [batch.slot_ids_cpu, [c == 0 for c in batch.context_lens_cpu]], dtype=torch.int64
+        ).to(device, non_blocking=True)
         if dead_rows:
-            compressed[torch.tensor(dead_rows, dtype=torch.int64)] = DEAD
-        slots = torch.tensor(batch.slot_ids_cpu, dtype=torch.int64)
-        fresh = torch.tensor(batch.context_lens_cpu)[:, None] == 0
-        before = torch.where(fresh, torch.full((len(slots), self.ngram - 1), DEAD, dtype=torch.int64), history[slots])
+            compressed[torch.tensor(dead_rows, dtype=torch.int64).to(device, non_blocking=True)] = DEAD
+        slots, fresh = slots_fresh[0], slots_fresh[1].bool()
+        before = history[slots].masked_fill(fresh[:, None], DEAD)
         tokens, tails = self._ngrams(before, compressed, batch.query_lens_cpu)
         history[slots] = tails
         return self.hash(tokens)
+
+
+class _HashConstants(NamedTuple):
+    token_map: torch.Tensor    # [vocab] compressed id of every token id
+    multipliers: torch.Tensor  # [L, N]
+    primes: torch.Tensor       # [L, N-1, heads]
+    offsets: torch.Tensor      # [L, (N-1)*heads]
 
 
 class Engram(nn.Module):
@@ -173,13 +216,13 @@ class Engram(nn.Module):
         self.q_weight = f.param(c.hc_mult, c.hidden_size)
         self.k_weight = f.param(c.hc_mult, c.hidden_size)
 
-    def gather(self, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """Rows for host ids [T, cols], gathered on the host; only those rows (still fp8 when the table is)
-        move to `device`, where they are dequantised. Returns [T, cols*head_dim] in the model dtype."""
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows for ids [T, cols] (on the compute device) from the host table; only those rows (still fp8
+        when the table is) reach the device, where they are dequantised. Returns [T, cols*head_dim]."""
         flat = ids.reshape(-1)
-        rows = self.embed.weight.index_select(0, flat).to(device, non_blocking=True)
+        rows = self.ops.gather_rows(self.embed.weight, flat)
         if self.embed.scale is not None:
-            scales = self.embed.scale.index_select(0, flat).to(device, non_blocking=True)
+            scales = self.ops.gather_rows(self.embed.scale, flat)
             rows = dequantize_fp8_block(rows, scales, (1, ROW_SCALE_BLOCK), self.dtype)
         return rows.to(self.dtype).view(ids.shape[0], -1)
 

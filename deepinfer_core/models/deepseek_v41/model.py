@@ -38,7 +38,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     `layers.{i}.engram.embed.weight`, ...), allocated empty; engram tables live in host memory.
     - `forward(batch, cache) -> ModelOutput(hidden [T, D], streams [T, hc_mult, D])` runs every token of
       the step and updates `cache` (a `DeepseekV41Cache`); `gather_engram_rows(batch, cache)` is its
-      token-only engram part, which an engine may run ahead and pass as `forward(..., engram_rows=)`.
+      token-only engram part (hashed on the device, rows read from the host tables).
     - `compute_logits(hidden [N, D]) -> float32 [N, V]`.
     - `bind_token_map(token_map)` / `bind_tokenizer_dir(path)`: the engram's compressed vocabulary
       (needed before the first forward when the config has engram layers).
@@ -121,18 +121,14 @@ class DeepseekV41ForCausalLM(nn.Module):
         self,
         batch: ForwardBatch,
         cache: DeepseekV41Cache,
-        engram_rows: dict[int, torch.Tensor] | None = None,
         images: StepImages | None = None,
     ) -> ModelOutput:
-        """`engram_rows` from `gather_engram_rows(batch, cache)` when the engine gathered them ahead (with
-        `dead_rows=images.rows_cpu` when the step has image rows); `images`: the step's image-span rows."""
+        """`images`: the step's image-span rows."""
         c = self.config.text_config
         if cache.kv_cache_dtype != self.kv_cache_dtype:
             raise ValueError(f"cache stores kv_cache_dtype {cache.kv_cache_dtype!r} but the model was built for "
                              f"{self.kv_cache_dtype!r}; build both with the same value")
-        if engram_rows is None:
-            dead = {} if images is None else {"dead_rows": images.rows_cpu}  # image-span tokens
-            engram_rows = self.gather_engram_rows(batch, cache, **dead)
+        engram_rows = self.gather_engram_rows(batch, cache, None if images is None else images.rows_cpu)
         x = self.ops.embedding(batch.input_ids, self.embed.weight)
         if images is not None:
             x = x.index_copy(0, images.rows, images.vectors.to(x.dtype))
@@ -151,15 +147,14 @@ class DeepseekV41ForCausalLM(nn.Module):
         self,
         batch: ForwardBatch,
         cache: DeepseekV41Cache,
-        input_ids: torch.Tensor | None = None,
         dead_rows: list[int] | None = None,
     ) -> dict[int, torch.Tensor]:
         """Engram layer -> its table rows [T, cols*head_dim] on the model's device for the step's tokens.
 
-        Depends only on the token ids (`input_ids` on the host when the caller has them, else read from
-        `batch`): hashes on the host, advances `cache.engram_history` for the step's slots, gathers in
-        host memory and moves only the gathered rows. Call it once per step, in step order.
-        `dead_rows`: rows of the step that are image-span tokens (DEAD in the n-gram history).
+        Hashes the step's device token ids on the device and advances `cache.engram_history` for the
+        step's slots; `KernelOps.gather_rows` reads the rows from the host tables. Nothing here waits
+        for the host, so a step that feeds back the token in flight queues without a sync. Called once
+        per step, in step order. `dead_rows`: rows that are image-span tokens (DEAD in the history).
         """
         c = self.config.text_config
         if not c.engram_layer_ids:
@@ -169,9 +164,9 @@ class DeepseekV41ForCausalLM(nn.Module):
                 "DeepSeek-V4.1 engram layers need the tokenizer's compressed vocabulary: call "
                 "`bind_tokenizer_dir(checkpoint_dir)` (or `bind_token_map`) before the first forward"
             )
-        hash_ids = self.hasher.step(batch, cache.engram_history, input_ids, dead_rows)
+        hash_ids = self.hasher.step(batch, cache.engram_history, dead_rows=dead_rows)
         return {
-            layer: self.layers[layer].engram.gather(hash_ids[:, k], self.device)
+            layer: self.layers[layer].engram.gather(hash_ids[:, k])
             for k, layer in enumerate(c.engram_layer_ids)
         }
 

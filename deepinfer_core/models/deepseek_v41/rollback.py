@@ -25,7 +25,6 @@ from deepinfer_core.models.deepseek_v4.rollback import RingSnapshot
 from deepinfer_core.models.forward_batch import ForwardBatch
 
 from .cache import DeepseekV41Cache
-from .engram import DEAD
 from .model import DeepseekV41ForCausalLM
 
 __all__ = ["StepRollback", "StepSnapshot"]
@@ -113,10 +112,6 @@ class StepSnapshot:
 
     def _restore_lookback(self, rejected: list[int], tails: Sequence[Sequence[int]]) -> None:
         owner = self.owner
-        n = owner.lookback
-        token_map = owner.model.hasher.token_map
         for i in rejected:
-            tail = list(tails[i])[-n:]
-            ids = token_map[torch.tensor(tail, dtype=torch.long)] if tail else torch.empty(0, dtype=torch.long)
-            history = torch.cat([torch.full((n - len(tail),), DEAD, dtype=torch.long), ids])
-            owner.cache.engram_history[self.batch.slot_ids_cpu[i]] = history
+            lookback = owner.model.hasher.lookback(tails[i])
+            owner.cache.engram_history[self.batch.slot_ids_cpu[i]].copy_(lookback, non_blocking=True)
