@@ -35,6 +35,7 @@ from bench_model import (  # noqa: E402
     kv_bytes_per_sequence, random_cache, setup, step_batch, weight_bytes, weight_flops_per_token,
 )
 from bench_prefill import _ints  # noqa: E402
+from deepinfer_core.engine.decode_graphs import DecodeGraphs  # noqa: E402
 from bench_speculative import run_speculative  # noqa: E402
 from kernel_bench_common import cell, collect_rows, new_plot, recorded, save_plot, sweep_ceilings, time_ms  # noqa: E402
 
@@ -92,18 +93,29 @@ def _deepinfer_rows(tiny, weights, batches, contexts, device, ops, ceilings):
     block_size = 2 * max(config.compress_ratios)
     per_token = weight_flops_per_token(model) + 2 * config.hidden_size * config.vocab_size
     rows = []
+    if device.type == "cuda":
+        from deepinfer_nvidia.cuda_memory import CudaMemoryManager
     for context in contexts:
         for size in batches:
             batch = step_batch([1] * size, [context] * size, block_size, device)
             with recorded(rows, {"impl": "deepinfer", "weights": weights, "batch": size, "context": context},
                           device) as row:
-                cache = random_cache(config, batch, block_size, device)
+                cache = random_cache(config, batch, block_size, device, spare=1)
 
-                def step():
-                    return model.compute_logits(model(batch, cache).hidden[batch.logits_indices])
+                def forward_logits(step_batch):
+                    return model.compute_logits(model(step_batch, cache).hidden[step_batch.logits_indices])
 
-                row["finite"] = bool(torch.isfinite(step()).all())
-                ms = time_ms(step, device, rep_ms=200)
+                eager = forward_logits(batch)
+                row["finite"] = bool(torch.isfinite(eager).all())
+                row["eager_ms"] = time_ms(lambda: forward_logits(batch), device, rep_ms=200)
+                ms = row["eager_ms"]
+                if device.type == "cuda":  # the engine's default: the step replayed from a device graph
+                    graphs = DecodeGraphs(forward_logits, CudaMemoryManager(device), device, spare_slot=size,
+                                          spare_block=cache.num_blocks - 1, block_size=block_size,
+                                          max_num_seqs=size, max_model_len=context + block_size)
+                    replayed = graphs.logits(batch)
+                    row["graph_max_abs_diff"] = float((replayed - eager).abs().max())
+                    row["graph_ms"] = ms = time_ms(lambda: graphs.logits(batch), device, rep_ms=200)
                 nbytes = weight_bytes(model, expected_experts_touched(config, size)) + size * kv_bytes_per_sequence(config, context)
                 floor_ms = nbytes / (ceilings.copy_gbps * 1e9) * 1e3
                 flops = per_token * size + attention_flops(config, batch.positions)
@@ -151,7 +163,8 @@ def _report(rows, ceilings, out: Path) -> None:
     hf = {r["batch"]: r["ms"] for r in rows if r["impl"] == "transformers" and "ms" in r}
     lines = [f"ceilings (measured): {ceilings.describe()}",
              f"{'impl':<13}{'weights':<8}{'batch':>6}{'ctx':>6}{'step_ms':>9}{'steps/s':>9}{'tok/s':>9}{'tok/s/req':>10}"
-             f"{'GB/step':>8}{'floor_ms':>9}{'x_floor':>8}{'GFLOP/tok':>10}{'hf_ms':>8}{'x_hf':>6}  error"]
+             f"{'GB/step':>8}{'floor_ms':>9}{'x_floor':>8}{'GFLOP/tok':>10}{'hf_ms':>8}{'x_hf':>6}{'eager_ms':>9}"
+             f"{'graph_diff':>11}  error"]
     for r in rows:
         ms, ref = r.get("ms"), hf.get(r.get("batch")) if r["impl"] == "deepinfer" else None
         lines.append(
@@ -159,9 +172,11 @@ def _report(rows, ceilings, out: Path) -> None:
             f"{cell(r.get('steps_per_s'), '.1f'):>9}{cell(r.get('tokens_per_s'), '.0f'):>9}{cell(r.get('tokens_per_s_per_request'), '.1f'):>10}"
             f"{cell(r.get('gbytes'), '.2f'):>8}{cell(r.get('floor_ms'), '.2f'):>9}{cell(r.get('over_floor'), '.2f'):>8}"
             f"{cell(r.get('gflop_per_token'), '.2f'):>10}{cell(ref, '.2f'):>8}{cell(ref / ms if ref and ms else None, '.2f'):>6}"
-            f"  {r.get('error', '')[:80]}"
+            f"{cell(r.get('eager_ms'), '.2f'):>9}{cell(r.get('graph_max_abs_diff'), '.2g'):>11}  {r.get('error', '')[:80]}"
         )
-    lines.append("x_hf compares DeepInfer at its context with transformers at --hf-context (same batch).")
+    lines.append("x_hf compares DeepInfer at its context with transformers at --hf-context (same batch). On a GPU "
+                 "step_ms is the step replayed from a device graph (the engine's default), eager_ms the same step "
+                 "launched op by op; graph_diff = max |logit difference| between the two.")
     table = "\n".join(lines)
     (out / "decode.txt").write_text(table)
     (out / "decode.json").write_text(json.dumps({"ceilings": ceilings.describe(), "rows": rows}, indent=1))

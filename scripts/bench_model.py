@@ -152,13 +152,15 @@ def step_batch(query_lens: list[int], context_lens: list[int], block_size: int, 
 
 
 def random_cache(
-    config: DeepseekV4Config, batch: ForwardBatch, block_size: int, device: torch.device, dtype: torch.dtype = torch.bfloat16
+    config: DeepseekV4Config, batch: ForwardBatch, block_size: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+    spare: int = 0,
 ) -> DeepseekV4Cache:
-    """A cache holding random state for every position < context_len (as after a prefill)."""
+    """A cache holding random state for every position < context_len (as after a prefill); `spare` more
+    slots and blocks than the batch uses (decode graphs pad on slot num_seqs and the block after the last)."""
     blocks = sum(sum(1 for b in table if b >= 0) for table in batch.block_tables_cpu)
     gen = torch.Generator(device=device).manual_seed(99)
     return DeepseekV4Cache(
-        config, num_blocks=blocks, block_size=block_size, num_slots=batch.num_seqs, dtype=dtype,
+        config, num_blocks=blocks + spare, block_size=block_size, num_slots=batch.num_seqs + spare, dtype=dtype,
         allocate=lambda shape, dt: torch.randn(shape, device=device, generator=gen).to(dt),
     )
 

@@ -1,7 +1,7 @@
 """On a GPU: the engine on the `nvidia` backend against transformers on the same GPU.
 
 For each dtype (float32, bfloat16) it generates greedy continuations of random prompts of several
-lengths with DeepInfer (async on and off) and with transformers' full-sequence forward (no cache,
+lengths with DeepInfer (async on and off with decode graphs, async on with enforce_eager) and with transformers' full-sequence forward (no cache,
 argmax of the last position, one forward per token), and prints per prompt how many leading tokens
 agree. The tiny checkpoint is random, so near-tied logits and flipped expert/indexer picks make bf16
 divergences legitimate: the table prints transformers' top-1/top-2 margin at the first divergence, and
@@ -69,9 +69,9 @@ def main() -> None:
         references[dtype_name] = [transformers_greedy(hf, p, args.tokens, device) for p in prompts]
         del hf
         fp32_tokens = [tokens for tokens, _ in references["float32"]]
-        for async_scheduling in (True, False):
+        for async_scheduling, eager in ((True, False), (False, False), (True, True)):
             llm = LLM(model=str(checkpoint), accelerator=args.accelerator, dtype=dtype_name,
-                      async_scheduling=async_scheduling, max_num_batched_tokens=256)
+                      async_scheduling=async_scheduling, max_num_batched_tokens=256, enforce_eager=eager)
             started = time.perf_counter()
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             elapsed = time.perf_counter() - started
@@ -85,21 +85,24 @@ def main() -> None:
                 ours_vs_fp32 += ours
                 hf_vs_fp32 += theirs
                 margin = margins[agree] if agree < args.tokens else float("nan")
-                rows.append((dtype_name, async_scheduling, i, len(prompts[i]), agree, margin, ours, theirs))
-            summary[f"{dtype_name} async={async_scheduling}"] = {
+                rows.append((dtype_name, async_scheduling, eager, i, len(prompts[i]), agree, margin, ours, theirs))
+            graphs = llm.engine.runner.decode_graphs
+            summary[f"{dtype_name} async={async_scheduling} eager={eager}"] = {
+                "decode_graphs_captured": 0 if graphs is None else graphs.num_graphs,
                 "prompts_fully_agreeing": full, "prompts": len(prompts), "seconds": round(elapsed, 2),
                 "mean_leading_agreement_with_fp32_reference": {
                     "deepinfer": ours_vs_fp32 / len(prompts), "transformers": hf_vs_fp32 / len(prompts)},
                 "stats": llm.engine.stats.summary(),
             }
             del llm
-    lines = ["dtype     async  prompt  len  agree  margin_at_divergence  ours_vs_fp32  hf_vs_fp32"]
-    lines += [f"{d:9s} {str(a):6s} {i:6d} {n:4d} {g:6d}  {m:20.4f}  {o:12d}  {h:10d}"
-              for d, a, i, n, g, m, o, h in rows]
+    lines = ["dtype     async  eager  prompt  len  agree  margin_at_divergence  ours_vs_fp32  hf_vs_fp32"]
+    lines += [f"{d:9s} {str(a):6s} {str(e):6s} {i:6d} {n:4d} {g:6d}  {m:20.4f}  {o:12d}  {h:10d}"
+              for d, a, e, i, n, g, m, o, h in rows]
     lines += [f"{k}: {v['prompts_fully_agreeing']}/{v['prompts']} prompts agree with transformers (same dtype) on all "
               f"{args.tokens} tokens; mean leading tokens equal to the fp32 reference: DeepInfer "
               f"{v['mean_leading_agreement_with_fp32_reference']['deepinfer']:.1f}, transformers "
-              f"{v['mean_leading_agreement_with_fp32_reference']['transformers']:.1f} ({v['seconds']} s)"
+              f"{v['mean_leading_agreement_with_fp32_reference']['transformers']:.1f} ({v['seconds']} s, "
+              f"{v['decode_graphs_captured']} decode graphs)"
               for k, v in summary.items()]
     text = "\n".join(lines)
     (args.out / "engine_gpu.txt").write_text(text + "\n")

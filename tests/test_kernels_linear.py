@@ -10,7 +10,7 @@ from kernel_checks import assert_matches
 
 from deepinfer_core.platform.kernel_ops import KernelOps
 from deepinfer_core.quantization import quantize_fp4, quantize_fp8_block
-from deepinfer_kernels.linear import linear, linear_supported
+from deepinfer_kernels.linear import linear, linear_supported, split_k
 from deepinfer_nvidia.ops import TritonOps
 
 # Same dequantised weights on both sides (power-of-two scales are exact), so only the float32
@@ -38,6 +38,20 @@ def test_linear_matches_reference(dtype, fmt, m, n, k):
     assert linear_supported(weight, block)
     out = linear(x, weight, scale, block)
     assert_matches(out, KernelOps().linear(x, weight, scale, block), TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "fp4"])
+def test_split_k_matches_reference(dtype, fmt):
+    """Few output tiles on a many-SM device: K split in ranges (the last one short), partials summed."""
+    gen = torch.Generator().manual_seed(3)
+    m, n, k = 3, 70, 1088
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    weight, scale, block = _weight(fmt, n, k, gen, dtype)
+    assert split_k(2, k, 64, num_sms=132) == 4  # 4 ranges of 320, 320, 320, 128
+    out = linear(x, weight, scale, block, num_sms=132)
+    assert_matches(out, KernelOps().linear(x, weight, scale, block), TOLERANCE[dtype])
+    assert torch.equal(out, linear(x, weight, scale, block, num_sms=132)), "not the same on every run"
 
 
 def test_linear_keeps_leading_dims_and_reads_strided_rows():

@@ -17,6 +17,7 @@ RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT through torch's `env://` initialis
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import queue
 import tempfile
@@ -53,7 +54,15 @@ def init_from_env(backend: Backend, *, timeout_s: float = 600.0) -> tuple[int, i
     dist.init_process_group(
         backend.distributed_backend, init_method="env://", timeout=timedelta(seconds=timeout_s)
     )
+    # Leave the group before the interpreter tears down: a group destroyed during teardown can abort
+    # the process ("terminate called without an active exception") after a successful run.
+    atexit.register(_leave_group)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def spawn(

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from deepinfer_kernels.weight_tiles import as_kernel_weight, e8m0_to_float, load_weight_tile, weight_format
 
-__all__ = ["BATCH_INVARIANT_ROWS", "linear", "linear_supported", "tile_config"]
+__all__ = ["BATCH_INVARIANT_ROWS", "linear", "linear_supported", "split_k", "tile_config"]
 
 # Batch-invariant mode sizes every launch's tiles as for this many rows, whatever the row count: a
 # row's K loop and MMA shapes are then the same in any batch (no config keyed on M, no split-K).
@@ -23,18 +23,19 @@ BATCH_INVARIANT_ROWS = 64
 
 @triton.jit
 def _linear_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
-    stride_xm, stride_wn, stride_sn, stride_ym,
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_PER_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_ym, stride_ysplit,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)  # this program's K range; with several, y holds float32 partial sums per split
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     compute = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(split * K_PER_SPLIT, tl.minimum(K, (split + 1) * K_PER_SPLIT), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(
             x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
@@ -49,7 +50,7 @@ def _linear_kernel(
             part = part * e8m0_to_float(tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_BN) * stride_sn + k0 // SCALE_BK))
         acc += part
     tl.store(
-        y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+        y_ptr + split.to(tl.int64) * stride_ysplit + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
         acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
     )
 
@@ -65,6 +66,15 @@ def tile_config(m: int, fmt: int, block: tuple[int, int] | None) -> tuple[int, i
     return block_m, block_n, block_k, warps, 3
 
 
+def split_k(tiles: int, k: int, block_k: int, num_sms: int) -> int:
+    """How many K ranges to give a launch of `tiles` output tiles so that it fills the GPU: a decode
+    step's projections have few output tiles (a 1024-wide projection at 16 rows is 16 programs). The
+    partial sums add up in a fixed order afterwards, so the result is the same on every run."""
+    if tiles >= num_sms:
+        return 1
+    return max(1, min(-(-2 * num_sms // tiles), k // (4 * block_k), 16))
+
+
 def linear_supported(weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
     """fp8 tiles must divide the scale block (powers of two >= 16); fp4 needs whole 32-column scale groups."""
     fmt = weight_format(weight)
@@ -77,8 +87,10 @@ def linear_supported(weight: torch.Tensor, block: tuple[int, int] | None) -> boo
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
-    batch_invariant: bool = False,
+    batch_invariant: bool = False, num_sms: int | None = None,
 ) -> torch.Tensor:
+    """y = x @ W.T. `num_sms`: the device's multiprocessors; given, launches with few output tiles split K
+    (not in batch-invariant mode, whose K loop must not depend on the row count)."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
@@ -91,12 +103,19 @@ def linear(
     tiled_rows = BATCH_INVARIANT_ROWS if batch_invariant else rows.shape[0]
     block_m, block_n, block_k, warps, stages = tile_config(tiled_rows, fmt, block)
     scale_bn, scale_bk = block if fmt == 1 else (1, 1)
-    grid = (triton.cdiv(rows.shape[0], block_m), triton.cdiv(n, block_n))
-    _linear_kernel[grid](
-        rows, w, s, out, rows.shape[0], n, k,
-        rows.stride(0), w.stride(0), s.stride(0) if scale is not None else 0, out.stride(0),
+    tiles = (triton.cdiv(rows.shape[0], block_m), triton.cdiv(n, block_n))
+    splits = 1 if batch_invariant or num_sms is None else split_k(tiles[0] * tiles[1], k, block_k, num_sms)
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_per_split)
+    target = out if splits == 1 else torch.empty((splits, rows.shape[0], n), dtype=torch.float32, device=x.device)
+    _linear_kernel[(*tiles, splits)](
+        rows, w, s, target, rows.shape[0], n, k, k_per_split,
+        rows.stride(0), w.stride(0), s.stride(0) if scale is not None else 0, target.stride(-2),
+        target.stride(0) if splits > 1 else 0,
         FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
         num_warps=warps, num_stages=stages,
     )
+    if splits > 1:
+        out.copy_(target.sum(dim=0))
     return out.view(*x.shape[:-1], n)

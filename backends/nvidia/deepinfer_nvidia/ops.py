@@ -9,6 +9,7 @@ has the same shape).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -49,6 +50,12 @@ class TritonOps(KernelOps):
         self._store_window = cache_writes.store_window
         self._gather_rows = row_gather.gather_rows
 
+    @staticmethod
+    @functools.cache
+    def _num_sms(device: torch.device) -> int | None:
+        """Multiprocessors of a CUDA device (the linear kernel splits K to fill them); None elsewhere."""
+        return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         return self._rms_norm(x, weight, eps)
 
@@ -81,6 +88,7 @@ class TritonOps(KernelOps):
             self._linear(
                 x[:, g], weight[g * rows:(g + 1) * rows],
                 None if scale is None else scale[g * scale_rows:(g + 1) * scale_rows], block, self.batch_invariant,
+                self._num_sms(x.device),
             )
             for g in range(groups)
         ]

@@ -145,7 +145,8 @@ class EngramHasher:
             new_pos,                                                       # where the new ids go
             (new_pos[:, None] - torch.arange(self.ngram)).flatten(),       # each token's n-gram
             ((joined_start + q)[:, None] + torch.arange(lookback)).flatten(),  # each sequence's new look-back
-        ]).to(new_ids.device, non_blocking=True)
+        ])
+        plan = _to_device(plan, new_ids.device)
         old_at, new_at, ngram_at, tail_at = plan.split(
             [before.numel(), num_tokens, num_tokens * self.ngram, before.numel()])
         joined = torch.empty(int(joined_len.sum()), dtype=torch.int64, device=new_ids.device)
@@ -178,16 +179,20 @@ class EngramHasher:
         device = history.device
         ids = batch.input_ids if input_ids is None else input_ids
         compressed = self._on(device).token_map[ids.to(device)]
-        slots_fresh = torch.tensor(
-            [batch.slot_ids_cpu, [c == 0 for c in batch.context_lens_cpu]], dtype=torch.int64
-        ).to(device, non_blocking=True)
+        slots_fresh = _to_device(
+            torch.tensor([batch.slot_ids_cpu, [c == 0 for c in batch.context_lens_cpu]], dtype=torch.int64), device)
         if dead_rows:
-            compressed[torch.tensor(dead_rows, dtype=torch.int64).to(device, non_blocking=True)] = DEAD
+            compressed[_to_device(torch.tensor(dead_rows, dtype=torch.int64), device)] = DEAD
         slots, fresh = slots_fresh[0], slots_fresh[1].bool()
         before = history[slots].masked_fill(fresh[:, None], DEAD)
         tokens, tails = self._ngrams(before, compressed, batch.query_lens_cpu)
         history[slots] = tails
         return self.hash(tokens)
+
+
+def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without the host waiting for the stream: staged in pinned memory."""
+    return values if device.type == "cpu" else values.pin_memory().to(device, non_blocking=True)
 
 
 class _HashConstants(NamedTuple):
