@@ -32,10 +32,9 @@ sys.path[:0] = [str(REPO), str(REPO / "kernels"), str(REPO / "backends" / "nvidi
 
 from bench_model import (  # noqa: E402
     attention_flops, build_deepinfer, build_transformers, expected_experts_touched, flash_slice_raw,
-    kv_bytes_per_sequence, random_cache, setup, step_batch, weight_bytes, weight_flops_per_token,
+    kv_bytes_per_sequence, random_cache, replayed_decode, setup, step_batch, weight_bytes, weight_flops_per_token,
 )
 from bench_prefill import _ints  # noqa: E402
-from deepinfer_core.engine.decode_graphs import DecodeGraphs  # noqa: E402
 from bench_speculative import run_speculative  # noqa: E402
 from kernel_bench_common import cell, collect_rows, new_plot, recorded, save_plot, sweep_ceilings, time_ms  # noqa: E402
 
@@ -93,8 +92,6 @@ def _deepinfer_rows(tiny, weights, batches, contexts, device, ops, ceilings):
     block_size = 2 * max(config.compress_ratios)
     per_token = weight_flops_per_token(model) + 2 * config.hidden_size * config.vocab_size
     rows = []
-    if device.type == "cuda":
-        from deepinfer_nvidia.cuda_memory import CudaMemoryManager
     for context in contexts:
         for size in batches:
             batch = step_batch([1] * size, [context] * size, block_size, device)
@@ -110,12 +107,9 @@ def _deepinfer_rows(tiny, weights, batches, contexts, device, ops, ceilings):
                 row["eager_ms"] = time_ms(lambda: forward_logits(batch), device, rep_ms=200)
                 ms = row["eager_ms"]
                 if device.type == "cuda":  # the engine's default: the step replayed from a device graph
-                    graphs = DecodeGraphs(forward_logits, CudaMemoryManager(device), device, spare_slot=size,
-                                          spare_block=cache.num_blocks - 1, block_size=block_size,
-                                          max_num_seqs=size, max_model_len=context + block_size)
-                    replayed = graphs.logits(batch)
-                    row["graph_max_abs_diff"] = float((replayed - eager).abs().max())
-                    row["graph_ms"] = ms = time_ms(lambda: graphs.logits(batch), device, rep_ms=200)
+                    replay = replayed_decode(model, cache, batch, block_size, device)
+                    row["graph_max_abs_diff"] = float((replay() - eager).abs().max())
+                    row["graph_ms"] = ms = time_ms(replay, device, rep_ms=200)
                 nbytes = weight_bytes(model, expected_experts_touched(config, size)) + size * kv_bytes_per_sequence(config, context)
                 floor_ms = nbytes / (ceilings.copy_gbps * 1e9) * 1e3
                 flops = per_token * size + attention_flops(config, batch.positions)

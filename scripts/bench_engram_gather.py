@@ -5,7 +5,7 @@ memory. `DeepseekV41ForCausalLM.gather_engram_rows` hashes the step's device tok
 and `KernelOps.gather_rows` reads the rows zero-copy over the bus, so nothing waits for the host. This
 script builds the release's engram layout (8 heads, n-grams up to 4, head_dim 256, fp8 tables) with a
 smaller `engram_vocab_size` so the two tables fit the machine's memory (--table-rows-m million rows
-each; the release has 384), no experts, and for each step shape reports:
+each; the release has 384), no experts, and for each step shape reports (table and PNG plot):
 
 - the device time of the whole lookup (hash + gather + dequantise) and the gathered bytes' rate
   against the measured pinned host-to-device copy bandwidth;
@@ -31,7 +31,7 @@ from deepinfer_core.models.deepseek_v41 import DeepseekV41ForCausalLM, parse_dee
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.kernel_ops import KernelOps
 from deepinfer_core.platform.registry import select_backend
-from kernel_bench_common import time_ms
+from kernel_bench_common import new_plot, save_plot, time_ms
 
 # (sequences, tokens each): decode batches, then prefill chunks
 SHAPES = [(1, 1), (16, 1), (64, 1), (256, 1), (1, 1024), (1, 8192)]
@@ -154,6 +154,7 @@ def main() -> None:
     bandwidth, cycles = h2d_gbps(device), sleep_cycles_per_ms()
     gen = torch.Generator().manual_seed(0)
     reference = KernelOps()
+    results: list[dict] = []
     lines = [
         f"# Engram lookup: {torch.cuda.get_device_name(device)}, tables {table_gb:.1f} GB in host memory, "
         f"pinned host-to-device copy {bandwidth:.1f} GB/s, stream kept busy {args.busy_ms:.0f} ms", "",
@@ -182,13 +183,39 @@ def main() -> None:
         for layer in layers:
             model.layers[layer].engram.ops = ops
         gbps = nbytes / device_time / 1e6
+        results.append({"step": f"{num_seqs} x {tokens}", "rows": rows, "device_ms": device_time,
+                        "queue_ms": queued, "queue_reference_ms": queued_reference,
+                        "host_path_ms": host_path_ms(model, batch, device)})
         lines.append(
             f"| {num_seqs} x {tokens} | {rows:,} | {nbytes / 1e6:.2f} | {device_time:.3f} | {gbps:.1f} | "
-            f"{100 * gbps / bandwidth:.0f}% | {queued:.2f} | {queued_reference:.2f} | "
-            f"{host_path_ms(model, batch, device):.2f} |"
+            f"{100 * gbps / bandwidth:.0f}% | {queued:.2f} | {queued_reference:.2f} | {results[-1]['host_path_ms']:.2f} |"
         )
         print(lines[-1], flush=True)
     (args.out / "engram_gather.md").write_text("\n".join(lines) + "\n")
+    plot(results, args.busy_ms, args.out / "engram_gather.png")
+
+
+def plot(results: list[dict], busy_ms: float, path: Path) -> None:
+    """Milliseconds against rows gathered: the lookup's device time, the host's time to queue it (zero-copy
+    and reference gather) behind a busy stream, and the previous host path."""
+    made = new_plot()
+    if made is None:
+        return
+    fig, ax = made
+    rows = [r["rows"] for r in results]
+    for key, label in (("device_ms", "device time of the lookup (zero-copy)"),
+                       ("queue_ms", "host time to queue it (zero-copy)"),
+                       ("queue_reference_ms", "host time to queue it (reference gather: waits)"),
+                       ("host_path_ms", "previous design: hash + gather on the host, copy")):
+        ax.plot(rows, [r[key] for r in results], marker="o", label=label)
+    ax.axhline(busy_ms, color="k", linestyle="--", linewidth=0.8, label=f"stream kept busy {busy_ms:.0f} ms")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("table rows gathered per step (2 engram layers)")
+    ax.set_ylabel("ms")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    save_plot(fig, path)
 
 
 if __name__ == "__main__":

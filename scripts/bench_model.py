@@ -165,6 +165,20 @@ def random_cache(
     )
 
 
+def replayed_decode(model, cache: DeepseekV4Cache, batch: ForwardBatch, block_size: int, device: torch.device):
+    """`batch`'s decode step replayed from a CUDA graph, as the engine runs it: a callable returning the
+    logits. `cache` needs a spare slot and block (`random_cache(..., spare=1)`)."""
+    from deepinfer_core.engine.decode_graphs import DecodeGraphs
+    from deepinfer_nvidia.cuda_memory import CudaMemoryManager
+
+    graphs = DecodeGraphs(
+        lambda step: model.compute_logits(model(step, cache).hidden[step.logits_indices]),
+        CudaMemoryManager(device), device, spare_slot=batch.num_seqs, spare_block=cache.num_blocks - 1,
+        block_size=block_size, max_num_seqs=batch.num_seqs, max_model_len=max(batch.context_lens_cpu) + block_size,
+    )
+    return lambda: graphs.logits(batch)
+
+
 def weight_flops_per_token(model: DeepseekV4ForCausalLM) -> float:
     """2 x the logical weight elements one token multiplies (routed experts at k of E), without the LM
     head (the benchmarks add it for the tokens whose logits are computed) and the embedding lookup."""

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_model import build_deepinfer, flash_slice_raw, random_cache, setup, step_batch
+from bench_model import build_deepinfer, flash_slice_raw, random_cache, replayed_decode, setup, step_batch
 
 from deepinfer_core.platform.kernel_ops import KernelOps
 
@@ -95,9 +95,13 @@ def main() -> None:
                                 device, f"prefill {prefill} tokens, {args.weights}", args.rows))
         for size in (int(b) for b in args.decode_batches.split(",")):
             batch = step_batch([1] * size, [context] * size, block_size, device)
-            cache = random_cache(config, batch, block_size, device)
+            cache = random_cache(config, batch, block_size, device, spare=1)
             reports.append(_profile(lambda: model.compute_logits(model(batch, cache).hidden[batch.logits_indices]),
                                     device, f"decode batch {size} at context {context}, {args.weights}", args.rows))
+            if device.type == "cuda":  # as the engine runs it: kernels only, the host's launches gone
+                reports.append(_profile(replayed_decode(model, cache, batch, block_size, device), device,
+                                        f"decode batch {size} at context {context}, {args.weights}, graph replay",
+                                        args.rows))
     text = "\n".join(reports)
     (out / f"profile_{args.weights}.md").write_text(text)
     print(text)

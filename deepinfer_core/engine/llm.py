@@ -219,7 +219,7 @@ class LLM:
             num_snapshots=0 if reuse is None else reuse.num_snapshots,
         )
         graphs = (not config.enforce_eager and self.capabilities.graphs and memory.supports_graphs and not parallel
-                  and config.speculative is None and getattr(model, "decode_graphs", False))
+                  and config.speculative is None and ops.capturable_decode and getattr(model, "decode_graphs", False))
         spare = int(graphs)  # a slot and a block that only graph padding rows touch
         slots = plan.num_slots + plan.num_snapshots
         cache = cache_cls(self.model_config, num_blocks=plan.num_blocks + spare, block_size=plan.block_size,

@@ -47,10 +47,15 @@ class KernelOps:
     ops run on tiles of `row_tile` rows (`row_tiles.py`), attention and the indexer walk each query's
     keys in position order. Results stay within each op's tolerance of the default mode. A backend
     claiming the `batch_invariant` capability honours the flag in its overrides as well.
+
+    `capturable_decode`: a decode step's ops size their work from the device tensors and
+    `ForwardBatch.max_seq_len` only, never from the per-sequence host lists, so the engine may capture
+    the step in a device graph (engine/decode_graphs.py). The reference ops plan on the host: False.
     """
 
     batch_invariant: bool = False
     row_tile: int = 16
+    capturable_decode: bool = False
 
     @row_tiled("x")
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -27,6 +27,13 @@ class TritonOps(KernelOps):
     # batch-invariant mode: few launches for a prefill, little padding for a decode.
     row_tile = 128
 
+    @property
+    def capturable_decode(self) -> bool:
+        # Decode steps read no per-sequence host values: the indexer sizes its scores from the device
+        # lengths (or the graph's bound) and the decode compressor is batched on the device; but the
+        # batch-invariant mode compresses on the reference path, which plans on the host.
+        return not self.batch_invariant
+
     def __init__(self) -> None:
         from deepinfer_kernels import (
             cache_writes, fused_moe, hyper_connection, indexer, linear, rms_norm, rope, row_gather,

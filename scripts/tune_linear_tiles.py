@@ -1,0 +1,84 @@
+"""Time the linear kernel (`deepinfer_kernels.linear`) on decode-sized inputs over tile configurations.
+
+For each projection shape of the V4-Flash slice and each row count: every candidate (BLOCK_N, BLOCK_K,
+warps, stages) with K split to fill `split` x the SMs (0: no split), its output against the current
+default's, median time and the weight bytes' rate against the measured copy bandwidth. The table tells
+which defaults `linear.tile_config` / `linear.split_k` should use; it is a script, not a test.
+
+    python3 scripts/tune_linear_tiles.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+import torch
+from kernel_bench_common import measure_ceilings, time_ms
+
+from deepinfer_kernels import linear
+
+# (name, N, K): attention and shared-expert projections, output projection, LM head
+SHAPES = (("wq_a", 1024, 4096), ("wkv", 512, 4096), ("wo_b", 4096, 8192), ("shared_w2", 4096, 2048),
+          ("wq_b", 32768, 1024), ("head", 129280, 4096))
+CANDIDATES_NK = ((32, 128), (64, 64), (64, 128), (64, 256), (128, 128))
+CANDIDATES_WARPS_STAGES = ((4, 3), (4, 4), (8, 3))
+CANDIDATES_SPLIT = (0, 1, 2, 4)  # split K to fill this many times the SMs (0 = never split)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,16")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    bandwidth = measure_ceilings(device).copy_gbps
+    gen = torch.Generator(device=device).manual_seed(0)
+    default_tiles, default_split = linear.tile_config, linear.split_k
+    lines = [f"copy bandwidth {bandwidth:.0f} GB/s, {sms} SMs", "",
+             "| shape | rows | BLOCK_N | BLOCK_K | warps | stages | split x SMs | ms | GB/s | % copy | rel. diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (name, n, k), m in itertools.product(SHAPES, (int(r) for r in args.rows.split(","))):
+        weight = (torch.randn(n, k, device=device, generator=gen) / 64).to(torch.bfloat16)
+        x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+        nbytes = weight.numel() * 2
+
+        def run():
+            return linear.linear(x, weight, None, None, False, sms)
+
+        linear.tile_config, linear.split_k = default_tiles, default_split
+        expected = run().float()
+        default_ms = time_ms(run, device, rep_ms=40)
+        results = []
+        for (bn, bk), (warps, stages), fill in itertools.product(CANDIDATES_NK, CANDIDATES_WARPS_STAGES, CANDIDATES_SPLIT):
+            config = (16, bn, bk, warps, stages)
+            linear.tile_config = lambda *_, c=config: c
+            linear.split_k = (lambda tiles, k_, bk_, sms_, f=fill: 1 if f == 0 or tiles >= f * sms_
+                              else max(1, min(-(-f * sms_ // tiles), k_ // (2 * bk_), 32)))
+            try:
+                got = run().float()
+                diff = float((got - expected).norm() / expected.norm())
+                ms = time_ms(run, device, rep_ms=40)
+            except Exception as err:  # noqa: BLE001  (a config that does not compile is a row, not a stop)
+                results.append((float("inf"), config, fill, type(err).__name__))
+                continue
+            results.append((ms, config, fill, f"{diff:.1e}"))
+        linear.tile_config, linear.split_k = default_tiles, default_split
+        results.sort(key=lambda r: r[0])
+        for ms, config, fill, diff in results[:4]:
+            gbps = nbytes / ms / 1e6
+            lines.append(f"| {name} {n}x{k} | {m} | {config[1]} | {config[2]} | {config[3]} | {config[4]} | {fill} | "
+                         f"{ms:.4f} | {gbps:.0f} | {100 * gbps / bandwidth:.0f}% | {diff} |")
+        gbps = nbytes / default_ms / 1e6
+        lines.append(f"| {name} {n}x{k} | {m} | default | | | | | {default_ms:.4f} | {gbps:.0f} | "
+                     f"{100 * gbps / bandwidth:.0f}% | 0 |")
+        print("\n".join(lines[-5:]), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "linear_tiles.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
