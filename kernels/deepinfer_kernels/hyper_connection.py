@@ -14,9 +14,13 @@ import triton.language as tl
 __all__ = ["hc_collapse", "hc_mix", "hc_update"]
 
 
-# The K reduction is split into fixed chunks of _CHUNK columns (a decode step still fills the GPU),
-# reduced afterwards in chunk order: the same order for every batch.
+# The K reduction is split into chunks reduced afterwards in chunk order. Prefill-sized steps and the
+# batch-invariant mode use _CHUNK columns (the same order for every batch); steps of up to
+# _SMALL_STEP rows use _SMALL_CHUNK, so that a decode step still spreads over the GPU (16 programs
+# for one row at V4-Flash width otherwise).
 _CHUNK = 1024
+_SMALL_CHUNK = 256
+_SMALL_STEP = 64
 
 
 @triton.jit
@@ -133,12 +137,13 @@ def hc_mix(
     k = n * d
     np_, pn = max(4, triton.next_power_of_2(n)), max(16, triton.next_power_of_2(n))
     width = 2 * pn + np_ * np_ + 1
-    chunks = triton.cdiv(k, _CHUNK)
+    chunk = _SMALL_CHUNK if t <= _SMALL_STEP and not batch_invariant else _CHUNK
+    chunks = triton.cdiv(k, chunk)
     parts = torch.empty(chunks, t, width, dtype=torch.float32, device=streams.device)
     block_t = 16 if batch_invariant or t <= 64 else 64
     _hc_mix_partial_kernel[(triton.cdiv(t, block_t), chunks)](
         x, fn.float().contiguous(), parts, t, k,
-        N=n, NP=np_, PN=pn, WIDTH=width, CHUNK=_CHUNK, BLOCK_T=block_t, BLOCK_K=64, PRECISION="tf32x3",
+        N=n, NP=np_, PN=pn, WIDTH=width, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=64, PRECISION="tf32x3",
         num_warps=4,
     )
     _hc_mix_epilogue_kernel[(triton.cdiv(t, 16),)](
