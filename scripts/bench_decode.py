@@ -36,7 +36,7 @@ from bench_model import (  # noqa: E402
 )
 from bench_prefill import _ints  # noqa: E402
 from bench_speculative import run_speculative  # noqa: E402
-from kernel_bench_common import cell, collect_rows, new_plot, recorded, save_plot, sweep_ceilings, time_ms  # noqa: E402
+from kernel_bench_common import cell, collect_rows, finish_plot, new_plot, recorded, sweep_ceilings, time_ms  # noqa: E402
 
 
 def main() -> None:
@@ -190,13 +190,8 @@ def _plot(rows, path: Path) -> None:
     floor = sorted((r["batch"], r["floor_ms"]) for r in rows if "floor_ms" in r and r["weights"] == "bf16")
     if floor:
         ax.plot([p[0] for p in floor], [p[1] for p in floor], "k--", label="bf16 bandwidth floor")
-    ax.set_xlabel("batch (sequences, one token each)")
-    ax.set_ylabel("decode step latency (ms, 4-layer slice)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    save_plot(fig, path)
+    finish_plot(fig, ax, path, "batch (sequences, one token each)", "decode step latency (ms, 4-layer slice)",
+                x_log_base=2, y_log=True)
 
 
 if __name__ == "__main__":

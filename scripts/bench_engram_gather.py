@@ -31,7 +31,7 @@ from deepinfer_core.models.deepseek_v41 import DeepseekV41ForCausalLM, parse_dee
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.kernel_ops import KernelOps
 from deepinfer_core.platform.registry import select_backend
-from kernel_bench_common import new_plot, save_plot, time_ms
+from kernel_bench_common import finish_plot, new_plot, time_ms, write_table
 
 # (sequences, tokens each): decode batches, then prefill chunks
 SHAPES = [(1, 1), (16, 1), (64, 1), (256, 1), (1, 1024), (1, 8192)]
@@ -191,7 +191,7 @@ def main() -> None:
             f"{100 * gbps / bandwidth:.0f}% | {queued:.2f} | {queued_reference:.2f} | {results[-1]['host_path_ms']:.2f} |"
         )
         print(lines[-1], flush=True)
-    (args.out / "engram_gather.md").write_text("\n".join(lines) + "\n")
+    write_table(args.out, "engram_gather.md", lines)
     plot(results, args.busy_ms, args.out / "engram_gather.png")
 
 
@@ -209,13 +209,7 @@ def plot(results: list[dict], busy_ms: float, path: Path) -> None:
                        ("host_path_ms", "previous design: hash + gather on the host, copy")):
         ax.plot(rows, [r[key] for r in results], marker="o", label=label)
     ax.axhline(busy_ms, color="k", linestyle="--", linewidth=0.8, label=f"stream kept busy {busy_ms:.0f} ms")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("table rows gathered per step (2 engram layers)")
-    ax.set_ylabel("ms")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    save_plot(fig, path)
+    finish_plot(fig, ax, path, "table rows gathered per step (2 engram layers)", "ms", x_log_base=10, y_log=True)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from bench_model import (  # noqa: E402
     attention_flops, build_deepinfer, build_transformers, flash_slice_raw, random_cache, setup, step_batch, use_ops,
     weight_flops_per_token,
 )
-from kernel_bench_common import cell, collect_rows, new_plot, recorded, save_plot, sweep_ceilings, time_ms  # noqa: E402
+from kernel_bench_common import cell, collect_rows, finish_plot, new_plot, recorded, sweep_ceilings, time_ms  # noqa: E402
 
 
 def _ints(text: str) -> list[int]:
@@ -138,12 +138,7 @@ def _plot(rows, path: Path) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=" ".join(key))
             for ms, tps, n in pts:
                 ax.annotate(str(n), (ms, tps), fontsize=7)
-    ax.set_xlabel("step latency (ms)")
-    ax.set_ylabel("prefill tokens/s per GPU (4-layer slice)")
-    ax.set_xscale("log")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    save_plot(fig, path)
+    finish_plot(fig, ax, path, "step latency (ms)", "prefill tokens/s per GPU (4-layer slice)", x_log_base=10)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from bench_model import build_deepinfer, flash_slice_raw, random_cache, step_batch
-from kernel_bench_common import cell, new_plot, save_plot, time_ms
+from kernel_bench_common import cell, finish_plot, new_plot, time_ms
 
 from deepinfer_core.engine.sampler import SamplingTensors
 from deepinfer_core.models.forward_batch import ForwardBatch
@@ -263,8 +263,5 @@ def _plot(rows, path: Path) -> None:
             ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="x", ls="--", color=line.get_color(),
                     label=f"batch {size}, + MTP draft cost")
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xlabel("per-draft acceptance probability a (oracle drafter)")
-    ax.set_ylabel("speedup in emitted tokens/s vs plain decode")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    save_plot(fig, path)
+    finish_plot(fig, ax, path, "per-draft acceptance probability a (oracle drafter)",
+                "speedup in emitted tokens/s vs plain decode")

@@ -13,12 +13,13 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 __all__ = [
-    "Ceilings", "cell", "collect_rows", "free_memory", "measure_ceilings", "poison_allocator", "recorded",
-    "sweep_ceilings", "time_ms",
+    "Ceilings", "cell", "collect_rows", "finish_plot", "free_memory", "measure_ceilings", "poison_allocator",
+    "recorded", "sweep_ceilings", "time_ms", "write_table",
 ]
 
 
@@ -93,6 +94,25 @@ def new_plot():
 def save_plot(fig, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def finish_plot(fig, ax, path, xlabel: str, ylabel: str, *, x_log_base: int | None = None, y_log: bool = False) -> None:
+    """Label, grid, legend and save a benchmark plot (log axes where asked)."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if x_log_base:
+        ax.set_xscale("log", base=x_log_base)
+    if y_log:
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    save_plot(fig, path)
+
+
+def write_table(out: Path, name: str, lines: list[str]) -> None:
+    """The markdown table `lines` as out/name (out created)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text("\n".join(lines) + "\n")
 
 
 def sweep_ceilings(device: torch.device, tiny: bool) -> Ceilings:

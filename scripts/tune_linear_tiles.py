@@ -15,7 +15,7 @@ import itertools
 from pathlib import Path
 
 import torch
-from kernel_bench_common import measure_ceilings, time_ms
+from kernel_bench_common import measure_ceilings, time_ms, write_table
 
 from deepinfer_kernels import linear
 
@@ -75,9 +75,7 @@ def main() -> None:
         lines.append(f"| {name} {n}x{k} | {m} | default | | | | | {default_ms:.4f} | {gbps:.0f} | "
                      f"{100 * gbps / bandwidth:.0f}% | 0 |")
         print("\n".join(lines[-5:]), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "linear_tiles.md").write_text("\n".join(lines) + "\n")
+    write_table(Path(args.out), "linear_tiles.md", lines)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import itertools
 from pathlib import Path
 
 import torch
-from kernel_bench_common import time_ms
+from kernel_bench_common import time_ms, write_table
 from kernel_cases import stacked_experts
 
 from deepinfer_kernels import fused_moe
@@ -74,9 +74,7 @@ def main() -> None:
             lines.append(f"| {fmt} | {tokens} | default {default(tokens * top_k, fused_moe.weight_format(mlps[0].w1), False)}"
                          f" | | | | | {default_ms:.3f} | {flops / default_ms / 1e9:.0f} | 0 |")
             print("\n".join(lines[-6:]), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "moe_tiles.md").write_text("\n".join(lines) + "\n")
+    write_table(Path(args.out), "moe_tiles.md", lines)
 
 
 if __name__ == "__main__":
