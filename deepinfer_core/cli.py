@@ -104,6 +104,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="KV storage: auto (the model's own: fp8/fp4 for DeepSeek-V4.1), bf16 (V4.1 debugging)")
     parser.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt prefixes (exact)")
+    parser.add_argument("--enforce-eager", action="store_true", help="launch decode steps op by op (no device graphs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(run=_run_serve)
 

@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--num_prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--max_model_len", type=int, default=4096)
     parser.add_argument("--no_async", action="store_true", help="turn asynchronous scheduling off")
+    parser.add_argument("--enforce-eager", action="store_true", help="launch decode steps op by op (no device graphs)")
     parser.add_argument("--speculative-k", type=int, default=0,
                         help="draft up to K tokens per step with the checkpoint's MTP layer (0 = off)")
     parser.add_argument("--speculative-threshold", type=float, default=0.0,
@@ -80,8 +81,9 @@ def main() -> None:
             speculative = SpeculativeConfig(num_draft_tokens=args.speculative_k,
                                             confidence_threshold=args.speculative_threshold)
     llm = LLM(model, accelerator=args.accelerator, dtype=args.dtype, max_model_len=args.max_model_len,
-              async_scheduling=not args.no_async, speculative=speculative, ep=args.ep, dp=args.dp,
-              num_redundant_experts=args.num_redundant_experts, eplb_interval_steps=args.eplb_interval)
+              async_scheduling=not args.no_async, enforce_eager=args.enforce_eager, speculative=speculative,
+              ep=args.ep, dp=args.dp, num_redundant_experts=args.num_redundant_experts,
+              eplb_interval_steps=args.eplb_interval)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.num_prompts)]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     outputs = llm.generate(prompts, params)
