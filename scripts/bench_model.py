@@ -172,8 +172,7 @@ def replayed_decode(model, cache: DeepseekV4Cache, batch: ForwardBatch, block_si
     from deepinfer_nvidia.cuda_memory import CudaMemoryManager
 
     graphs = DecodeGraphs(
-        lambda step: model.compute_logits(model(step, cache).hidden[step.logits_indices]),
-        CudaMemoryManager(device), device, spare_slot=batch.num_seqs, spare_block=cache.num_blocks - 1,
+        model, cache, CudaMemoryManager(device), device, spare_slot=batch.num_seqs, spare_block=cache.num_blocks - 1,
         block_size=block_size, max_num_seqs=batch.num_seqs, max_model_len=max(batch.context_lens_cpu) + block_size,
     )
     return lambda: graphs.logits(batch)

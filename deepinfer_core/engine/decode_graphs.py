@@ -13,8 +13,8 @@ capturable because:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,13 +36,14 @@ class _Captured:
 class DecodeGraphs:
     """Captures lazily (the first step of each batch size and bound) and replays.
 
-    `forward_logits(batch) -> logits` is the step to capture: the model's forward and its logits for
-    `batch.logits_indices`. The spare slot and block must exist in the cache and never be handed out.
+    The captured step is `model`'s forward over `cache` and its logits for `batch.logits_indices`. The
+    spare slot and block must exist in the cache and never be handed out.
     """
 
     def __init__(
         self,
-        forward_logits: Callable[[ForwardBatch], torch.Tensor],
+        model: Any,
+        cache: Any,
         memory: MemoryManager,
         device: torch.device,
         *,
@@ -52,7 +53,7 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_model_len: int,
     ) -> None:
-        self.forward_logits, self.memory, self.device = forward_logits, memory, device
+        self.model, self.cache, self.memory, self.device = model, cache, memory, device
         self.spare_slot, self.spare_block, self.block_size = spare_slot, spare_block, block_size
         self.sizes = [s for s in CAPTURE_BATCH_SIZES if s < max_num_seqs] + [max_num_seqs]
         self.max_model_len = max_model_len
@@ -102,8 +103,12 @@ class DecodeGraphs:
             block_tables_cpu=NotOnHost(size, "block_tables_cpu"),
             max_seq_len=bound,
         )
-        # Warm-up and capture run on the padding values: only the spare slot and block change.
-        return _Captured(inputs, self.memory.capture_graph(lambda: self.forward_logits(inputs)))
+        # Warm-up and capture run on the padding values: only the spare slot and block change. A memo the
+        # warm-up leaves on `inputs` (row_sequences) depends only on query_start_loc, fixed for the graph.
+        return _Captured(inputs, self.memory.capture_graph(lambda: self._step_logits(inputs)))
+
+    def _step_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model.compute_logits(self.model.forward(batch, self.cache).hidden[batch.logits_indices])
 
     def _load(self, inputs: ForwardBatch, batch: ForwardBatch) -> None:
         """Copy the step into the static buffers; rows past it become padding again."""

@@ -227,8 +227,7 @@ class LLM:
         decode_graphs = None
         if graphs:
             decode_graphs = DecodeGraphs(
-                lambda batch: model.compute_logits(model.forward(batch, cache).hidden[batch.logits_indices]),
-                memory, self.backend.device, spare_slot=slots, spare_block=plan.num_blocks,
+                model, cache, memory, self.backend.device, spare_slot=slots, spare_block=plan.num_blocks,
                 block_size=plan.block_size, max_num_seqs=num_slots, max_model_len=self.max_model_len,
             )
         self.kv = KVCacheManager(plan, reuse)

@@ -94,8 +94,8 @@ def _run_case(
     device: torch.device,
 ) -> CaseResult:
     args, kwargs = case.make_inputs(generator, dtype)
-    ref_args, ref_kwargs = _to_device((args, kwargs), device, case.host_args)
-    got_args, got_kwargs = _to_device((args, kwargs), device, case.host_args)
+    ref_args, ref_kwargs = _case_inputs(args, kwargs, device, case.host_args)
+    got_args, got_kwargs = _case_inputs(args, kwargs, device, case.host_args)
     try:
         expected = getattr(reference, case.op)(*ref_args, **ref_kwargs)
     except Exception as exc:
@@ -116,11 +116,16 @@ def _run_case(
     return CaseResult(case.op, case.name, dtype, True, f"max abs err {worst:.3g}")
 
 
-def _to_device(value: Any, device: torch.device, host_args: tuple[int, ...] = ()) -> Any:
-    if host_args:  # (args, kwargs) of a case whose listed positional args stay in host memory
-        args, kwargs = value
-        args = tuple(arg.clone() if i in host_args else _to_device(arg, device) for i, arg in enumerate(args))
-        return args, _to_device(kwargs, device)
+def _case_inputs(
+    args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, host_args: tuple[int, ...]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A fresh copy of a case's inputs on `device`, except the positional args listed in `host_args`,
+    which stay in host memory."""
+    moved = tuple(arg.clone() if i in host_args else _to_device(arg, device) for i, arg in enumerate(args))
+    return moved, _to_device(kwargs, device)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device, copy=True)
     if isinstance(value, (tuple, list)):
