@@ -105,6 +105,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help="KV storage: auto (the model's own: fp8/fp4 for DeepSeek-V4.1), bf16 (V4.1 debugging)")
     parser.add_argument("--enable-prefix-caching", action="store_true", help="reuse cached prompt prefixes (exact)")
     parser.add_argument("--enforce-eager", action="store_true", help="launch decode steps op by op (no device graphs)")
+    parser.add_argument("--fp8-activations", action="store_true",
+                        help="quantise the inputs of fp8-weight projections to fp8 and run fp8 matmuls (W8A8)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(run=_run_serve)
 

@@ -119,6 +119,13 @@ class EngineConfig(BaseModel):
         description="Bitwise-identical logits for a request whatever else is in the batch; the backend must "
         "claim the batch_invariant capability. Default: DEEPINFER_BATCH_INVARIANT.",
     )
+    fp8_activations: bool = Field(
+        False,
+        description="Quantise the inputs of fp8-weight projections and experts to fp8 (per token and 128-column "
+        "block, power-of-two scales) and run fp8 matrix products (W8A8), as DeepSeek's own inference does. Off: "
+        "fp8 weights meet activations in the model dtype (W8A16), computing what the dequantised bf16 reference "
+        "computes. Needs a checkpoint with fp8 weights.",
+    )
     enforce_eager: bool = Field(
         False,
         description="Launch every decode step op by op; by default a backend with graphs replays decode steps "

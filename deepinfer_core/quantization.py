@@ -6,6 +6,10 @@ Both formats scale by powers of two stored as raw e8m0 exponent bytes (`float8_e
 - fp8: `float8_e4m3fn` [N, K] with one scale per (128 x 128) block, shape [ceil(N/128), ceil(K/128)].
 - fp4: e2m1 codes packed two per byte in int8 [N, K/2] (column 2j in the low nibble, 2j+1 in the high
   nibble), one scale per 32 consecutive columns of a row, shape [N, K/32].
+
+Activations meeting fp8 weights may be quantised too (`KernelOps.fp8_activations`), as DeepSeek's own
+inference does (dynamic, per token and per group of K columns, power-of-two scales):
+`fake_quantize_fp8_activations` is that rounding, the reference the fp8 kernels must reproduce.
 """
 
 import torch
@@ -18,6 +22,7 @@ __all__ = [
     "QuantizationFormatError",
     "dequantize_fp4",
     "dequantize_fp8_block",
+    "fake_quantize_fp8_activations",
     "quantize_fp4",
     "quantize_fp8_block",
 ]
@@ -27,6 +32,9 @@ FP8_E4M3_MAX = 448.0
 FP4_BLOCK = 32
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FP4_MAX = 6.0
+# Activation groups whose largest magnitude is below this share its scale (DeepSeek's act_quant clamp):
+# an all-zero group needs no special case.
+FP8_ACTIVATION_AMAX_FLOOR = 1e-4
 
 E8M0_BIAS = 127
 # Midpoints between neighbouring e2m1 magnitudes; a tie rounds to the even code (round-half-to-even).
@@ -83,6 +91,22 @@ def quantize_fp8_block(
     scaled = blocks / factors[:, None, :, None]
     quantised = scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).flatten(2, 3).flatten(0, 1)[:rows, :cols]
     return quantised.to(torch.float8_e4m3fn).contiguous(), _e8m0_from_exponent(exponent)
+
+
+def fake_quantize_fp8_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x rounded as an fp8 kernel quantises it before its MMAs; returned in x.dtype (exact: e4m3 values
+    times powers of two fit bfloat16 and float32).
+
+    Each row's consecutive `group` columns share the scale 2^e, e the smallest with
+    max(amax, 1e-4) <= 448 * 2^e; each value becomes the nearest e4m3 value (ties to even) of x / 2^e.
+    """
+    cols = x.shape[-1]
+    padded = torch.nn.functional.pad(x.float(), (0, _ceil_div(cols, group) * group - cols))
+    groups = padded.unflatten(-1, (-1, group))
+    amax = groups.abs().amax(dim=-1).clamp(min=FP8_ACTIVATION_AMAX_FLOOR)
+    exponent = _scale_exponent(amax, FP8_E4M3_MAX).to(torch.float32)[..., None]
+    codes = torch.ldexp(groups, -exponent).to(torch.float8_e4m3fn)
+    return torch.ldexp(codes.to(torch.float32), exponent).flatten(-2)[..., :cols].to(x.dtype)
 
 
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "kernels"), str(REPO / "backends" / "nvidia"), str(REPO / "scripts")]
 
 from bench_model import (  # noqa: E402
-    attention_flops, build_deepinfer, build_transformers, expected_experts_touched, flash_slice_raw,
+    attention_flops, build_deepinfer, build_transformers, expected_experts_touched, flash_slice_raw, fresh_ops,
     kv_bytes_per_sequence, random_cache, replayed_decode, setup, step_batch, weight_bytes, weight_flops_per_token,
 )
 from bench_prefill import _ints  # noqa: E402
@@ -86,7 +86,7 @@ def _floats(text: str) -> list[float]:
 
 
 def _deepinfer_rows(tiny, weights, batches, contexts, device, ops, ceilings):
-    ops = type(ops)()  # NOTE: fresh ops per model: their expert-stack cache keeps the experts alive
+    ops = fresh_ops(ops, weights)
     bench = build_deepinfer(flash_slice_raw(tiny, weights), ops, device)
     model, config = bench.model, bench.config
     block_size = 2 * max(config.compress_ratios)

@@ -41,9 +41,10 @@ TINY_WIDTHS: dict[str, Any] = {
 
 def flash_slice_raw(tiny: bool, weights: str) -> dict[str, Any]:
     """config.json-style dict; weights: "bf16", or "fp8" (fp8 projections, fp8 experts), or "fp4"
-    (fp8 projections, fp4 experts)."""
+    (fp8 projections, fp4 experts); a "-a8" suffix (fp8 activations, `fresh_ops`) does not change it."""
     from deepinfer_core.tools.tiny_checkpoint import TINY_CONFIG
 
+    weights = weights.removesuffix("-a8")
     raw = {**TINY_CONFIG, **(TINY_WIDTHS if tiny else FLASH_WIDTHS)}
     raw.update(num_hidden_layers=4, compress_ratios=[0, 4, 128, 4], num_hash_layers=1, num_nextn_predict_layers=0)
     if weights in ("fp8", "fp4"):
@@ -74,6 +75,14 @@ def setup(tiny: bool) -> tuple[torch.device, KernelOps]:
     from deepinfer_nvidia.ops import TritonOps
 
     return device, TritonOps()
+
+
+def fresh_ops(ops: KernelOps, weights: str) -> KernelOps:
+    """New ops of `ops`' type for one model (NOTE: their expert-stack cache keeps a model's experts alive),
+    with fp8 activations (W8A8) for weights named "...-a8"."""
+    fresh = type(ops)()
+    fresh.fp8_activations = weights.endswith("-a8")
+    return fresh
 
 
 def use_ops(model: torch.nn.Module, ops: KernelOps) -> None:

@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "kernels"), str(REPO / "backends" / "nvidia"), str(REPO / "scripts")]
 
 from bench_model import (  # noqa: E402
-    attention_flops, build_deepinfer, build_transformers, flash_slice_raw, random_cache, setup, step_batch, use_ops,
-    weight_flops_per_token,
+    attention_flops, build_deepinfer, build_transformers, flash_slice_raw, fresh_ops, random_cache, setup, step_batch,
+    use_ops, weight_flops_per_token,
 )
 from kernel_bench_common import cell, collect_rows, finish_plot, new_plot, recorded, sweep_ceilings, time_ms  # noqa: E402
 
@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--tokens", type=_ints, default=None, help="tokens per step (default 4096,8192,16384)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per prompt (default 8192)")
-    parser.add_argument("--weights", default="bf16,fp4", help="comma list of bf16, fp8, fp4")
+    parser.add_argument("--weights", default="bf16,fp4", help="comma list of bf16, fp8, fp4; fp8-a8 / fp4-a8 add fp8 activations (W8A8 projections)")
     parser.add_argument("--hf-max-tokens", type=int, default=8192, help="largest step run on transformers")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -59,7 +59,7 @@ def main() -> None:
 def _deepinfer_rows(tiny, weights, tokens, seq_len, device, ops, ceilings):
     from deepinfer_core.platform.kernel_ops import KernelOps
 
-    ops = type(ops)()  # NOTE: fresh ops per model: their expert-stack cache keeps the experts alive
+    ops = fresh_ops(ops, weights)
     bench = build_deepinfer(flash_slice_raw(tiny, weights), ops, device)
     model, config = bench.model, bench.config
     block_size = 2 * max(config.compress_ratios)
@@ -78,7 +78,9 @@ def _deepinfer_rows(tiny, weights, tokens, seq_len, device, ops, ceilings):
         with recorded(rows, {"impl": "deepinfer", "weights": weights, "tokens": total, "seqs": len(lens)}, device) as row:
             logits = step()
             if total == tokens[0]:
-                use_ops(model, KernelOps())
+                reference = KernelOps()
+                reference.fp8_activations = ops.fp8_activations
+                use_ops(model, reference)
                 expected = step()
                 use_ops(model, ops)
                 row["logits_rel_error_vs_reference_ops"] = float((logits - expected).norm() / expected.norm())

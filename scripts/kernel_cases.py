@@ -36,10 +36,10 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
                    [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096), ("w1", 2048, 4096)])
     for m in ([1, 33] if tiny else [1, 64, 8192]):
         for name, n, k in projections:
-            for fmt in ("bf16", "fp8", "fp4"):
+            for fmt in ("bf16", "fp8", "fp8-a8", "fp4"):
                 yield Case(f"linear {name} {fmt} M={m} N={n} K={k}", partial(_linear, ops, reference, m, n, k, fmt, tiny))
     for tokens in ([1, 21] if tiny else [1, 16, 64, 8192]):
-        for fmt in ("bf16", "fp8", "fp4"):
+        for fmt in ("bf16", "fp8", "fp8-a8", "fp4"):
             yield Case(f"fused_moe {fmt} T={tokens} E={experts} k={top_k}",
                        partial(_moe, ops, reference, tokens, hidden, inter, experts, top_k, fmt, tiny))
     heads, dim, ring = (4, 48, 8) if tiny else (64, 512, 128)
@@ -59,8 +59,15 @@ def _rms_norm(ops, reference, shape, gen, device):
             4 * x.numel(), nbytes, NORM_TOL, False)
 
 
+def _fp8_activations(ops: KernelOps, fmt: str) -> KernelOps:
+    """Ops of `ops`' type (fresh: their own expert-stack cache) with fp8 activations for "fp8-a8" cases."""
+    fresh = type(ops)()
+    fresh.fp8_activations = fmt == "fp8-a8"
+    return fresh
+
+
 def _quantized(w: torch.Tensor, fmt: str, block: tuple[int, int]):
-    if fmt == "fp8":
+    if fmt in ("fp8", "fp8-a8"):
         q, s = quantize_fp8_block(w, block)
         return q, s, block, 1.0 + 1.0 / (block[0] * block[1])
     if fmt == "fp4":
@@ -70,12 +77,13 @@ def _quantized(w: torch.Tensor, fmt: str, block: tuple[int, int]):
 
 
 def _linear(ops, reference, m, n, k, fmt, tiny, gen, device):
+    ops, reference = _fp8_activations(ops, fmt), _fp8_activations(reference, fmt)
     x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
     w = torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)
     weight, scale, block, bytes_per_weight = _quantized(w, fmt, (32, 32) if tiny else (128, 128))
     nbytes = 2 * m * k + bytes_per_weight * n * k + 2 * m * n
     return (lambda: ops.linear(x, weight, scale, block), lambda: reference.linear(x, weight, scale, block),
-            2 * m * n * k, nbytes, LINEAR_TOL, False)
+            2 * m * n * k, nbytes, LINEAR_TOL, ops.fp8_activations)
 
 
 def stacked_experts(num: int, hidden: int, inter: int, fmt: str, gen, device, block) -> tuple[list[MlpWeights], float]:
@@ -92,7 +100,7 @@ def stacked_experts(num: int, hidden: int, inter: int, fmt: str, gen, device, bl
             stacks[name][e].copy_(q)
             if s is not None:
                 stacks[name + "_scale"][e].copy_(s)
-    blk = block if fmt == "fp8" else None
+    blk = block if fmt in ("fp8", "fp8-a8") else None
     mlps = [MlpWeights(*(stacks[n][e] for n in ("w1", "w3", "w2")),
                        *((stacks[n + "_scale"][e] if n + "_scale" in stacks else None) for n in ("w1", "w3", "w2")),
                        blk) for e in range(num)]
@@ -100,10 +108,11 @@ def stacked_experts(num: int, hidden: int, inter: int, fmt: str, gen, device, bl
 
 
 def _moe(ops, reference, tokens, hidden, inter, experts, top_k, fmt, tiny, gen, device):
-    ops = type(ops)()  # NOTE: a fresh expert-stack cache per case, so earlier cases' experts can be freed
+    # NOTE: fresh ops, so a fresh expert-stack cache per case and earlier cases' experts can be freed
+    ops, reference = _fp8_activations(ops, fmt), _fp8_activations(reference, fmt)
     block = (32, 32) if tiny else (128, 128)
     mlps, bytes_per_weight = stacked_experts(experts, hidden, inter, fmt, gen, device, block)
-    (shared,), _ = stacked_experts(1, hidden, inter, "fp8" if fmt != "bf16" else "bf16", gen, device, block)
+    (shared,), _ = stacked_experts(1, hidden, inter, "bf16" if fmt == "bf16" else "fp8", gen, device, block)
     x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
     ids = torch.rand(tokens, experts, device=device, generator=gen).topk(top_k, dim=-1).indices
     weights = torch.rand(tokens, top_k, device=device, generator=gen) + 0.1
@@ -111,7 +120,8 @@ def _moe(ops, reference, tokens, hidden, inter, experts, top_k, fmt, tiny, gen, 
     flops = 2 * tokens * (top_k + 1) * 3 * hidden * inter
     nbytes = (touched * bytes_per_weight + 2) * 3 * hidden * inter + 2 * 2 * tokens * hidden
     return (lambda: ops.fused_moe(x, weights, ids, mlps, shared, 10.0),
-            lambda: reference.fused_moe(x, weights, ids, mlps, shared, 10.0), flops, nbytes, MOE_TOL, False)
+            lambda: reference.fused_moe(x, weights, ids, mlps, shared, 10.0), flops, nbytes, MOE_TOL,
+            ops.fp8_activations)
 
 
 def attention_batch(seqs: int, q_len: int, ctx: int, block_size: int, device) -> tuple[ForwardBatch, int]:

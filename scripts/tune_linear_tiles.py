@@ -1,11 +1,14 @@
-"""Time the linear kernel (`deepinfer_kernels.linear`) on decode-sized inputs over tile configurations.
+"""Time the linear kernel (`deepinfer_kernels.linear`) over tile configurations.
 
 For each projection shape of the V4-Flash slice and each row count: every candidate (BLOCK_N, BLOCK_K,
-warps, stages) with K split to fill `split` x the SMs (0: no split), its output against the current
-default's, median time and the weight bytes' rate against the measured copy bandwidth. The table tells
-which defaults `linear.tile_config` / `linear.split_k` should use; it is a script, not a test.
+warps, stages) with K split to fill `split` x the SMs (0: no split; decode-sized rows only), its output
+against the current default's, median time, the weight bytes' rate against the measured copy bandwidth
+and TFLOP/s. Rows up to 16 take 16-row tiles, more take 128-row tiles. `--format fp8-a8` times fp8
+weights with fp8 activations (W8A8). The table tells which defaults `linear.tile_config` /
+`linear.split_k` should use; it is a script, not a test.
 
     python3 scripts/tune_linear_tiles.py --out $OUT
+    python3 scripts/tune_linear_tiles.py --rows 8192 --format fp8-a8 --out $OUT
 """
 
 from __future__ import annotations
@@ -17,19 +20,22 @@ from pathlib import Path
 import torch
 from kernel_bench_common import measure_ceilings, time_ms, write_table
 
+from deepinfer_core.quantization import quantize_fp8_block
 from deepinfer_kernels import linear
 
 # (name, N, K): attention and shared-expert projections, output projection, LM head
 SHAPES = (("wq_a", 1024, 4096), ("wkv", 512, 4096), ("wo_b", 4096, 8192), ("shared_w2", 4096, 2048),
           ("wq_b", 32768, 1024), ("head", 129280, 4096))
-CANDIDATES_NK = ((32, 128), (64, 64), (64, 128), (64, 256), (128, 128))
-CANDIDATES_WARPS_STAGES = ((4, 3), (4, 4), (8, 3))
+CANDIDATES_NK = ((32, 128), (64, 64), (64, 128), (64, 256), (128, 128), (256, 64), (256, 128))
+CANDIDATES_WARPS_STAGES = ((4, 3), (4, 4), (8, 3), (8, 4))
 CANDIDATES_SPLIT = (0, 1, 2, 4)  # split K to fill this many times the SMs (0 = never split)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,16")
+    parser.add_argument("--format", default="bf16", choices=("bf16", "fp8", "fp8-a8"))
+    parser.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES), help="comma list of projection names")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -38,22 +44,29 @@ def main() -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     default_tiles, default_split = linear.tile_config, linear.split_k
     lines = [f"copy bandwidth {bandwidth:.0f} GB/s, {sms} SMs", "",
-             "| shape | rows | BLOCK_N | BLOCK_K | warps | stages | split x SMs | ms | GB/s | % copy | rel. diff |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (name, n, k), m in itertools.product(SHAPES, (int(r) for r in args.rows.split(","))):
-        weight = (torch.randn(n, k, device=device, generator=gen) / 64).to(torch.bfloat16)
+             f"format {args.format}", "",
+             "| shape | rows | BLOCK_N | BLOCK_K | warps | stages | split x SMs | ms | GB/s | % copy | TFLOP/s | rel. diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    block = None if args.format == "bf16" else (128, 128)
+    shapes = [shape for shape in SHAPES if shape[0] in args.shapes.split(",")]
+    for (name, n, k), m in itertools.product(shapes, (int(r) for r in args.rows.split(","))):
+        dense = torch.randn(n, k, device=device, generator=gen) / 64
+        weight, scale = (dense.to(torch.bfloat16), None) if block is None else quantize_fp8_block(dense, block)
         x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
-        nbytes = weight.numel() * 2
+        nbytes, flops = weight.numel() * weight.element_size(), 2 * m * n * k
 
         def run():
-            return linear.linear(x, weight, None, None, False, sms)
+            return linear.linear(x, weight, scale, block, False, sms, args.format == "fp8-a8")
 
         linear.tile_config, linear.split_k = default_tiles, default_split
         expected = run().float()
         default_ms = time_ms(run, device, rep_ms=40)
         results = []
-        for (bn, bk), (warps, stages), fill in itertools.product(CANDIDATES_NK, CANDIDATES_WARPS_STAGES, CANDIDATES_SPLIT):
-            config = (16, bn, bk, warps, stages)
+        splits = CANDIDATES_SPLIT if m <= 16 else (0,)
+        for (bn, bk), (warps, stages), fill in itertools.product(CANDIDATES_NK, CANDIDATES_WARPS_STAGES, splits):
+            if block is not None and (bk != block[1] or bn > block[0]):
+                continue  # fp8 tiles lie inside one scale block and span its K (W8A8: one activation group)
+            config = (16 if m <= 16 else 128, bn, bk, warps, stages)
             linear.tile_config = lambda *_, c=config: c
             linear.split_k = (lambda tiles, k_, bk_, sms_, f=fill: 1 if f == 0 or tiles >= f * sms_
                               else max(1, min(-(-f * sms_ // tiles), k_ // (2 * bk_), 32)))
@@ -70,10 +83,10 @@ def main() -> None:
         for ms, config, fill, diff in results[:4]:
             gbps = nbytes / ms / 1e6
             lines.append(f"| {name} {n}x{k} | {m} | {config[1]} | {config[2]} | {config[3]} | {config[4]} | {fill} | "
-                         f"{ms:.4f} | {gbps:.0f} | {100 * gbps / bandwidth:.0f}% | {diff} |")
+                         f"{ms:.4f} | {gbps:.0f} | {100 * gbps / bandwidth:.0f}% | {flops / ms / 1e9:.0f} | {diff} |")
         gbps = nbytes / default_ms / 1e6
         lines.append(f"| {name} {n}x{k} | {m} | default | | | | | {default_ms:.4f} | {gbps:.0f} | "
-                     f"{100 * gbps / bandwidth:.0f}% | 0 |")
+                     f"{100 * gbps / bandwidth:.0f}% | {flops / default_ms / 1e9:.0f} | 0 |")
         print("\n".join(lines[-5:]), flush=True)
     write_table(Path(args.out), "linear_tiles.md", lines)
 

@@ -2,10 +2,12 @@
 
 For each (weight format, tokens) at V4-Flash widths: every candidate (BLOCK_M, BLOCK_N, BLOCK_K, warps,
 stages), its output against the current default's (a config that changes the result beyond the bf16
-accumulation tolerance is marked), its median time and TFLOP/s. The table tells which defaults
+accumulation tolerance is marked), its median time and TFLOP/s. Format `fp8-a8` is fp8 experts with fp8
+activations (W8A8; only K tiles of one weight block apply). The table tells which defaults
 `fused_moe.tile_config` should return; it is a script, not a test.
 
     python3 scripts/tune_moe_tiles.py --out $OUT
+    python3 scripts/tune_moe_tiles.py --formats fp8,fp8-a8 --tokens 8192 --out $OUT
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from kernel_cases import stacked_experts
 from deepinfer_kernels import fused_moe
 
 CANDIDATES_M = (16, 64, 128)
-CANDIDATES_NK = ((64, 64), (128, 64), (64, 128))
+CANDIDATES_NK = ((64, 64), (128, 64), (64, 128), (128, 128), (256, 128))
 CANDIDATES_WARPS_STAGES = ((4, 3), (8, 3), (4, 4))
 
 
@@ -42,6 +44,7 @@ def main() -> None:
     for fmt in args.formats.split(","):
         mlps, _ = stacked_experts(experts, hidden, inter, fmt, gen, device, (128, 128))
         ops = TritonOps()
+        ops.fp8_activations = fmt == "fp8-a8"
         for tokens in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
             ids = torch.rand(tokens, experts, device=device, generator=gen).topk(top_k, dim=-1).indices
@@ -55,6 +58,8 @@ def main() -> None:
             expected = run().float()
             results = []
             for bm, (bn, bk), (warps, stages) in itertools.product(CANDIDATES_M, CANDIDATES_NK, CANDIDATES_WARPS_STAGES):
+                if ops.fp8_activations and bk != 128:
+                    continue
                 config = (bm, bn, bk, warps, stages)
                 fused_moe.tile_config = lambda *_, c=config: c
                 try:

@@ -48,6 +48,19 @@ def test_fused_moe_matches_reference(dtype, fmt, tokens):
     assert_matches(out, KernelOps().fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 23])
+def test_fused_moe_with_fp8_activations_matches_reference(dtype, tokens):
+    """W8A8 experts (x and the SwiGLU activation quantised per row and 64-column block) and an fp8
+    shared expert through the linear kernel, against the reference's rounding of the same inputs."""
+    x, weights, ids, mlps, _ = _inputs("fp8", dtype, tokens, seed=tokens)
+    shared = _mlp("fp8", 96, 64, torch.Generator().manual_seed(9), dtype)
+    ops, reference = TritonOps(), KernelOps()
+    ops.fp8_activations = reference.fp8_activations = True
+    out = ops.fused_moe(x, weights, ids, mlps, shared, 1.5)
+    assert_matches(out, reference.fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[dtype])
+
+
 def test_experts_not_held_contribute_nothing():
     x, weights, ids, mlps, shared = _inputs("dense", torch.float32, 23, seed=5)
     mlps = [m if i % 3 else None for i, m in enumerate(mlps)]

@@ -54,6 +54,33 @@ def test_split_k_matches_reference(dtype, fmt):
     assert torch.equal(out, linear(x, weight, scale, block, num_sms=132)), "not the same on every run"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,splits", [(6, None), (70, None), (3, 132)])
+def test_fp8_activations_match_the_reference_rounding(dtype, m, splits):
+    """W8A8: the kernel quantises x per row and K block in registers; the reference rounds x the same
+    way and dequantises, so float32 differs only by summation order (a flipped fp8 code would not)."""
+    from test_quantization import fp8_activation_rows
+
+    gen = torch.Generator().manual_seed(m)
+    x = fp8_activation_rows(m)[:, :192].repeat(m // 6 + 1, 1)[:m].to(dtype)
+    w = torch.randn(70, 192, generator=gen) / 8
+    weight, scale = quantize_fp8_block(w, (32, 64))
+    reference = KernelOps()
+    reference.fp8_activations = True
+    assert linear_supported(weight, (32, 64), fp8_activations=True)
+    out = linear(x, weight, scale, (32, 64), num_sms=splits, fp8_activations=True)
+    assert_matches(out, reference.linear(x, weight, scale, (32, 64)), TOLERANCE[dtype])
+    # a different answer from the W8A16 path: the activations really were rounded
+    assert not torch.allclose(out.float(), KernelOps().linear(x, weight, scale, (32, 64)).float(), rtol=1e-3, atol=0)
+
+
+def test_fp8_activations_refuse_blocks_the_tiles_cannot_match():
+    weight = torch.randn(48, 512).to(torch.float8_e4m3fn)
+    assert linear_supported(weight, (128, 256)) and not linear_supported(weight, (128, 256), fp8_activations=True)
+    with pytest.raises(ValueError, match="fp8 activations need"):
+        linear(torch.randn(2, 512), weight, torch.ones(1, 2).to(torch.float8_e8m0fnu), (128, 256), fp8_activations=True)
+
+
 def test_linear_keeps_leading_dims_and_reads_strided_rows():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 5, 2, 64, generator=gen).to(torch.bfloat16)[:, :, 0]
@@ -75,3 +102,13 @@ def test_grouped_linear_matches_reference(fmt):
     weight, scale, block = _weight(fmt, 3 * 32, 64, gen, torch.bfloat16)
     out = TritonOps().grouped_linear(x, weight, scale, block)
     assert_matches(out, KernelOps().grouped_linear(x, weight, scale, block), TOLERANCE[torch.bfloat16])
+
+
+def test_grouped_linear_with_fp8_activations_matches_reference():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 3, 64, generator=gen)
+    weight, scale, block = _weight("fp8", 3 * 32, 64, gen, torch.float32)
+    ops, reference = TritonOps(), KernelOps()
+    ops.fp8_activations = reference.fp8_activations = True
+    out = ops.grouped_linear(x, weight, scale, block)
+    assert_matches(out, reference.grouped_linear(x, weight, scale, block), TOLERANCE[torch.float32])

@@ -11,6 +11,7 @@ from deepinfer_core.quantization import (
     QuantizationFormatError,
     dequantize_fp4,
     dequantize_fp8_block,
+    fake_quantize_fp8_activations,
     quantize_fp4,
     quantize_fp8_block,
 )
@@ -93,6 +94,42 @@ def test_fp8_all_zero_block_gets_the_smallest_scale_and_zero_values():
     weight, scale = quantize_fp8_block(w)
     assert scale.view(torch.uint8).tolist() == [[0]]
     assert torch.equal(dequantize_fp8_block(weight, scale, dtype=torch.float32), w)
+
+
+def fp8_activation_rows(seed: int) -> torch.Tensor:
+    """Rows with the cases the activation rounding must get right: a spread of magnitudes, an all-zero
+    group, a group below the 1e-4 amax floor, an amax of exactly 448 * 2^-3 and one just above it."""
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(seed)) * torch.logspace(-2, 2, 256)
+    x[1, :128] = 0
+    x[2] *= 1e-7
+    x[3, :128] = x[3, :128].clamp(-56, 56)
+    x[3, 5] = 56.0
+    x[4, :128] = x[4, :128].clamp(-56, 56)
+    x[4, 7] = 56.000004
+    return x
+
+
+def test_fp8_activation_rounding_uses_the_smallest_scale_and_the_nearest_e4m3_value():
+    x = fp8_activation_rows(0)
+    rounded = fake_quantize_fp8_activations(x, 128)
+    groups, out = x.unflatten(1, (2, 128)), rounded.unflatten(1, (2, 128))
+    amax = groups.abs().amax(dim=-1).clamp(min=1e-4)
+    exponent = torch.ceil(torch.log2(amax.double() / 448))
+    assert exponent[3, 0] == -3 and exponent[4, 0] == -2  # 448 * 2^-3 = 56 exactly; 56.000004 needs the next
+    scale = torch.exp2(exponent)[..., None]
+    codes = (out.double() / scale).float()
+    assert torch.equal(codes.to(torch.float8_e4m3fn).float(), codes), "not an e4m3 value times the scale"
+    # nearest: within half an e4m3 step of x / scale (relative 2^-4 for normals, 2^-10 absolute below 2^-6)
+    target = groups.double() / scale
+    assert ((codes.double() - target).abs() <= torch.maximum(target.abs() * 2.0**-4, torch.tensor(2.0**-10))).all()
+    assert (target.abs() <= 448).all() and (out[1, 0] == 0).all()
+
+
+def test_fp8_activation_rounding_keeps_dtype_shape_and_a_ragged_last_group():
+    x = torch.randn(3, 5, 200, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    rounded = fake_quantize_fp8_activations(x, 128)
+    assert rounded.dtype == torch.bfloat16 and rounded.shape == x.shape
+    assert torch.equal(rounded[..., 128:], fake_quantize_fp8_activations(x[..., 128:].contiguous(), 128))
 
 
 @pytest.mark.parametrize(

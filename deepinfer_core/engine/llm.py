@@ -10,6 +10,7 @@ spawns one process per rank, or, started by torchrun, is one rank itself.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -92,6 +93,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         speculative: SpeculativeConfig | None = None,
         batch_invariant: bool | None = None,
+        fp8_activations: bool = False,
         enforce_eager: bool = False,
         ep: int = 1,
         dp: int = 1,
@@ -123,6 +125,7 @@ class LLM:
             parallel=ParallelConfig(ep=ep, dp=dp, cp=cp, num_redundant_experts=num_redundant_experts,
                                     eplb_interval_steps=eplb_interval_steps, timeout_s=parallel_timeout_s),
             **({} if batch_invariant is None else {"batch_invariant": batch_invariant}),
+            fp8_activations=fp8_activations,
             enforce_eager=enforce_eager,
             prefix_caching=PrefixCachingConfig(enabled=enable_prefix_caching, reuse=prefix_reuse,
                                                decoder_replay_span=decoder_replay_span,
@@ -184,9 +187,17 @@ class LLM:
         kv_options = kv_cache_options(self.model_config, config.kv_cache_dtype)
         ops = self.backend.ops()
         ops.batch_invariant = config.batch_invariant  # the runner samples with these same ops (model.ops)
+        ops.fp8_activations = config.fp8_activations
         vision = {"vision": True} if checkpoint_has_vision(self.checkpoint_dir) else {}  # V4.1's tower
         model = model_class_for(self.model_config)(self.model_config, ops, self.dtype, self.backend.device,
                                                   **kv_options, **experts, **vision)
+        if config.fp8_activations and not any(
+            t.dtype == torch.float8_e4m3fn for t in itertools.chain(model.parameters(), model.buffers())
+        ):
+            raise ValueError(
+                "fp8_activations=True quantises the inputs of fp8-weight projections, and this checkpoint has no "
+                f"fp8 weights ({self.checkpoint_dir}); quantise it (scripts/quantize_checkpoint.py) or turn it off"
+            )
         if parallel:
             self._rank.before_load(model)
         load_model_weights(model, self.checkpoint_dir, **experts)

@@ -10,9 +10,10 @@ without a case is a failure: a backend cannot be proven on an op nobody tests.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,11 +98,13 @@ def _run_case(
     ref_args, ref_kwargs = _case_inputs(args, kwargs, device, case.host_args)
     got_args, got_kwargs = _case_inputs(args, kwargs, device, case.host_args)
     try:
-        expected = getattr(reference, case.op)(*ref_args, **ref_kwargs)
+        with _modes(reference, case.modes):
+            expected = getattr(reference, case.op)(*ref_args, **ref_kwargs)
     except Exception as exc:
         return CaseResult(case.op, case.name, dtype, False, f"the reference raised {exc!r}: fix the OpCase")
     try:
-        got = getattr(ops, case.op)(*got_args, **got_kwargs)
+        with _modes(ops, case.modes):
+            got = getattr(ops, case.op)(*got_args, **got_kwargs)
     except Exception as exc:
         return CaseResult(case.op, case.name, dtype, False, f"raised {exc!r}")
     try:
@@ -114,6 +117,19 @@ def _run_case(
     except AssertionError as exc:
         return CaseResult(case.op, case.name, dtype, False, " ".join(str(exc).split()))
     return CaseResult(case.op, case.name, dtype, True, f"max abs err {worst:.3g}")
+
+
+@contextlib.contextmanager
+def _modes(ops: KernelOps, modes: dict[str, bool]) -> Iterator[None]:
+    """The case's `KernelOps` flags set on `ops` for the call, then restored."""
+    saved = {name: getattr(ops, name) for name in modes}
+    for name, value in modes.items():
+        setattr(ops, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(ops, name, value)
 
 
 def _case_inputs(

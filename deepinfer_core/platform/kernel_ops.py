@@ -51,11 +51,18 @@ class KernelOps:
     `capturable_decode`: a decode step's ops size their work from the device tensors and
     `ForwardBatch.max_seq_len` only, never from the per-sequence host lists, so the engine may capture
     the step in a device graph (engine/decode_graphs.py). The reference ops plan on the host: False.
+
+    `fp8_activations`: the engine sets it too (`LLM(fp8_activations=True)`). Projections with fp8
+    weights then quantise their input the way fp8 MMA kernels must (W8A8, as DeepSeek's inference
+    runs): per row and per weight block of K columns, `quantization.fake_quantize_fp8_activations`.
+    Off by default, so that fp8 checkpoints compute what the bf16 reference (transformers' dequantised
+    path) computes. A backend honours it in every op that meets fp8 weights.
     """
 
     batch_invariant: bool = False
     row_tile: int = 16
     capturable_decode: bool = False
+    fp8_activations: bool = False
 
     @row_tiled("x")
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -84,10 +91,12 @@ class KernelOps:
         x: [..., K] float32/bfloat16. weight: dense [N, K] in x.dtype; or float8_e4m3fn [N, K] with
         `scale` float8_e8m0fnu [ceil(N/bn), ceil(K/bk)] and `block` = (bn, bk); or int8 [N, K/2]
         (packed fp4 e2m1, low nibble = even column) with `scale` float8_e8m0fnu [N, K/32].
-        The reference dequantises to x.dtype per call. Returns [..., N] in x.dtype.
+        The reference dequantises to x.dtype per call; with `fp8_activations`, x meeting an fp8 weight
+        is rounded to fp8 first (groups of bk columns). Returns [..., N] in x.dtype.
         Tolerance: float32 1e-5 relative, bfloat16 1e-2 relative (accumulation order).
         """
-        return torch.nn.functional.linear(x, _dequantized(weight, scale, block, x.dtype))
+        w = _dequantized(weight, scale, block, x.dtype)
+        return torch.nn.functional.linear(self._activations(x, weight, block), w)
 
     @row_tiled("x")
     def grouped_linear(
@@ -104,7 +113,15 @@ class KernelOps:
         """
         groups = x.shape[1]
         w = _dequantized(weight, scale, block, x.dtype).view(groups, -1, x.shape[-1])
-        return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+        return torch.bmm(self._activations(x, weight, block).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+
+    def _activations(self, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+        """x as the projection meets it: rounded to fp8 for an fp8 weight under `fp8_activations`."""
+        if not (self.fp8_activations and weight.dtype == torch.float8_e4m3fn):
+            return x
+        from deepinfer_core.quantization import fake_quantize_fp8_activations
+
+        return fake_quantize_fp8_activations(x, block[1])
 
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Rows of `weight` [V, D] for int64 `ids` [T]; returns [T, D] in weight.dtype. Exact."""

@@ -36,6 +36,7 @@ class OpCase:
     rtol: dict[torch.dtype, float] = field(default_factory=dict)
     atol: dict[torch.dtype, float] = field(default_factory=dict)
     host_args: tuple[int, ...] = ()  # positional args that stay in host memory (e.g. an engram table)
+    modes: dict[str, bool] = field(default_factory=dict)  # `KernelOps` flags set on both sides, e.g. fp8_activations
 
 
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -216,15 +217,16 @@ def _moe_ep_inputs(gen, dt, part):
     return (x, weights, ids, [None] * len(mlps), shared, limit), {}
 
 
-def _quantized_linear_inputs(gen, dt, fmt):
+def _quantized_linear_inputs(gen, dt, fmt, groups=0):
     from deepinfer_core.quantization import quantize_fp4, quantize_fp8_block
 
-    w = _randn(gen, 40, 96) / 10
+    w = _randn(gen, max(groups, 1) * 40, 96) / 10
+    x = _randn(gen, 13, *((groups,) if groups else ()), 96, dtype=dt)
     if fmt == "fp8":
-        weight, scale = quantize_fp8_block(w, (16, 32))
-        return (_randn(gen, 13, 96, dtype=dt), weight, scale, (16, 32)), {}
+        weight, scale = quantize_fp8_block(w, (8 if groups else 16, 32))
+        return (x, weight, scale, (8 if groups else 16, 32)), {}
     weight, scale = quantize_fp4(w)
-    return (_randn(gen, 13, 96, dtype=dt), weight, scale), {}
+    return (x, weight, scale), {}
 
 
 # Attention / MoE-sized reductions: bf16 rounding of each product and of the outputs.
@@ -256,6 +258,16 @@ OP_CASES: list[OpCase] = [
         "linear", "fp4",
         lambda g, dt: _quantized_linear_inputs(g, dt, "fp4"),
         rtol=_TOL_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 3e-2},
+    ),
+    OpCase(  # W8A8: x rounded to fp8 per row and 32-column block
+        "linear", "fp8_block_fp8_activations",
+        lambda g, dt: _quantized_linear_inputs(g, dt, "fp8"),
+        rtol=_TOL_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 3e-2}, modes={"fp8_activations": True},
+    ),
+    OpCase(
+        "grouped_linear", "fp8_fp8_activations",
+        lambda g, dt: _quantized_linear_inputs(g, dt, "fp8", groups=2),
+        rtol=_TOL_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 3e-2}, modes={"fp8_activations": True},
     ),
     OpCase(
         "grouped_linear", "two_groups",
@@ -319,6 +331,10 @@ OP_CASES: list[OpCase] = [
     OpCase(
         "fused_moe", "fp4_experts_fp8_shared", lambda g, dt: _moe_inputs(g, dt, "fp4", "fp8"),
         rtol=_WIDE_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 6e-2},
+    ),
+    OpCase(  # bf16: a SwiGLU value one bf16 ulp apart (exp differs) can round to the next e4m3 code, 1/16 away
+        "fused_moe", "fp8_experts_fp8_activations", lambda g, dt: _moe_inputs(g, dt, "fp8", "fp8"),
+        rtol=_WIDE_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 1e-1}, modes={"fp8_activations": True},
     ),
     OpCase("fused_moe", "ep_pairs_no_shared", lambda g, dt: _moe_ep_inputs(g, dt, "pairs"),
            rtol=_WIDE_RTOL, atol=_WIDE_ATOL),

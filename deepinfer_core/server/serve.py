@@ -89,7 +89,8 @@ def run_serve_command(args: Any) -> int:
     llm = LLM(args.model, accelerator=args.accelerator, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               num_kv_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype,
-              enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager, seed=args.seed)
+              enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+              fp8_activations=args.fp8_activations, seed=args.seed)
     serve(llm, model_name=args.served_model_name or llm.checkpoint_dir.name, host=args.host, port=args.port,
           limits=limits)
     return 0

@@ -6,7 +6,9 @@ expert. Launch 1 computes a = silu(min(w1 x, L)) * clamp(w3 x, -L, L) for each p
 projections in one program, the clamped SwiGLU in the epilogue). Launch 2 computes w2 a, multiplies the
 routing weight and writes the pair's row of y [T*k, D]; the k rows of a token are summed afterwards in
 float32 (deterministic: no atomics). Weights are stacked per projection, w1 / w3 / w2 [E, N, K] (+ scales
-[E, ...]), so each expert can stay a separate parameter that views its slice of the stack.
+[E, ...]), so each expert can stay a separate parameter that views its slice of the stack. With
+`fp8_activations`, fp8 experts meet x and the activation quantised to fp8 (`activation_quant`: x once per
+token before launch 1, the activation between the launches), as in `linear`.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, quantize_fp8_rows
 from deepinfer_kernels.weight_tiles import as_kernel_weight, e8m0_to_float, load_weight_tile, weight_format
 
-__all__ = ["StackedExperts", "moe_routed", "tile_config"]
+__all__ = ["StackedExperts", "moe_routed", "moe_supported", "tile_config"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +46,11 @@ class StackedExperts:
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, act_ptr, row_entry_ptr, block_expert_ptr,
+    x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, act_ptr, row_entry_ptr, block_expert_ptr,
     N, K, TOP_K, NUM_HELD, limit,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -58,7 +61,8 @@ def _gate_up_kernel(
     entry = tl.load(row_entry_ptr + offs_m)
     token = tl.where(entry >= 0, entry // TOP_K, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    compute = x_ptr.dtype.element_ty
+    compute = x_ptr.dtype.element_ty  # fp8 codes with A8 (xs_ptr: their per-token, per-K-tile scales)
+    out_dtype = act_ptr.dtype.element_ty
     w1 = w1_ptr + expert.to(tl.int64) * stride_we
     w3 = w3_ptr + expert.to(tl.int64) * stride_we
     s1 = s1_ptr + expert.to(tl.int64) * stride_se
@@ -71,7 +75,11 @@ def _gate_up_kernel(
                     mask=(entry[:, None] >= 0) & (offs_k[None, :] < K), other=0.0)
         g_tile = load_weight_tile(w1, s1, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K)
         u_tile = load_weight_tile(w3, s3, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K)
-        if IEEE:
+        if A8:
+            x_scale = tl.load(xs_ptr + token * stride_xsm + k0 // BLOCK_K)[:, None]
+            g_part = tl.dot(x, tl.trans(g_tile)) * x_scale
+            u_part = tl.dot(x, tl.trans(u_tile)) * x_scale
+        elif IEEE:
             g_part = tl.dot(x, tl.trans(g_tile), input_precision="ieee")
             u_part = tl.dot(x, tl.trans(u_tile), input_precision="ieee")
         else:
@@ -83,21 +91,22 @@ def _gate_up_kernel(
             u_part = u_part * e8m0_to_float(tl.load(s3 + scale_at))
         gate += g_part
         up += u_part
-    # The reference rounds each projection to the compute dtype before the activation.
-    gate = tl.minimum(gate.to(compute).to(tl.float32), limit)
-    up = tl.minimum(tl.maximum(up.to(compute).to(tl.float32), -limit), limit)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    # The reference rounds each projection, silu(gate) and the product to the activation dtype (with fp8
+    # activations the next launch quantises this very value, so matching its rounding matters).
+    gate = tl.minimum(gate.to(out_dtype).to(tl.float32), limit)
+    up = tl.minimum(tl.maximum(up.to(out_dtype).to(tl.float32), -limit), limit)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32) * up
     tl.store(act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :],
              act.to(act_ptr.dtype.element_ty), mask=offs_n[None, :] < N)
 
 
 @triton.jit
 def _down_kernel(
-    act_ptr, w2_ptr, s2_ptr, y_ptr, route_w_ptr, row_entry_ptr, block_expert_ptr,
+    act_ptr, as_ptr, w2_ptr, s2_ptr, y_ptr, route_w_ptr, row_entry_ptr, block_expert_ptr,
     N, K, NUM_HELD,
-    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+    stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -107,7 +116,7 @@ def _down_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     entry = tl.load(row_entry_ptr + offs_m)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    compute = act_ptr.dtype.element_ty
+    compute = act_ptr.dtype.element_ty  # fp8 codes with A8 (as_ptr: their per-row, per-K-tile scales)
     w2 = w2_ptr + expert.to(tl.int64) * stride_we
     s2 = s2_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -116,7 +125,10 @@ def _down_kernel(
         a = tl.load(act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :],
                     mask=offs_k[None, :] < K, other=0.0)
         w = load_weight_tile(w2, s2, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K)
-        if IEEE:
+        if A8:
+            a_scale = tl.load(as_ptr + offs_m.to(tl.int64) * stride_asm + k0 // BLOCK_K)
+            part = tl.dot(a, tl.trans(w)) * a_scale[:, None]
+        elif IEEE:
             part = tl.dot(a, tl.trans(w), input_precision="ieee")
         else:
             part = tl.dot(a, tl.trans(w))
@@ -125,7 +137,7 @@ def _down_kernel(
         acc += part
     valid = entry >= 0
     route_w = tl.load(route_w_ptr + entry, mask=valid, other=0.0)
-    y = acc.to(compute).to(tl.float32) * route_w[:, None]
+    y = acc.to(y_ptr.dtype.element_ty).to(tl.float32) * route_w[:, None]
     tl.store(y_ptr + tl.where(valid, entry, 0).to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
              y.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
@@ -142,6 +154,11 @@ def tile_config(pairs: int, fmt: int, batch_invariant: bool) -> tuple[int, int, 
     if pairs >= 8192:
         return {0: (128, 128, 64, 8, 3), 1: (128, 128, 128, 8, 3), 2: (128, 64, 64, 8, 3)}[fmt]
     return (16, 64, 128, 4, 3)
+
+
+def moe_supported(experts: StackedExperts, fp8_activations: bool) -> bool:
+    """fp8 experts under fp8 activations need K tiles equal to their weight block's K."""
+    return not (fp8_activations and weight_format(experts.w1) == 1) or fp8_activation_tiles_supported(experts.block)
 
 
 def _plan(ids: torch.Tensor, local_ids: torch.Tensor, num_held: int, block_m: int):
@@ -179,18 +196,23 @@ def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch
 
 def moe_routed(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: StackedExperts, swiglu_limit: float,
-    batch_invariant: bool = False,
+    batch_invariant: bool = False, fp8_activations: bool = False,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * mlp_{ids[t, k]}(x[t]) in float32 [T, D]; experts not held add nothing.
 
     batch_invariant: one row-block size for every batch, and the k routed outputs summed in slot order.
+    fp8_activations: fp8 experts meet their inputs quantised to fp8 (W8A8; see `moe_supported`).
     """
     tokens, top_k = ids.shape
     hidden, inter = x.shape[1], experts.w1.shape[1]
     fmt = weight_format(experts.w1)
     block_m, block_n, block_k, warps, stages = tile_config(tokens * top_k, fmt, batch_invariant)
-    if fmt == 1:
-        block_n, block_k = min(block_n, experts.block[0]), min(block_k, experts.block[1])
+    if not moe_supported(experts, fp8_activations):
+        raise ValueError(f"fp8 activations need an fp8 weight block of 32, 64 or 128 columns, not {experts.block}")
+    a8 = fp8_activations and fmt == 1
+    if fmt == 1:  # tiles inside one scale block; with fp8 activations a K tile is exactly one block
+        block_n = min(block_n, experts.block[0])
+        block_k = experts.block[1] if a8 else min(block_k, experts.block[1])
     scale_bn, scale_bk = experts.block if fmt == 1 else (1, 1)
     row_entry, block_expert = _plan(ids, experts.local_ids, experts.num_held, block_m)
     x = x.contiguous()
@@ -201,23 +223,25 @@ def moe_routed(
     s1, se, sn = _scale_args(experts.w1_scale, w1)
     s3, _, _ = _scale_args(experts.w3_scale, w3)
     act = torch.empty((row_entry.shape[0], inter), dtype=x.dtype, device=x.device)
+    x_in, x_scales = quantize_fp8_rows(x, block_k) if a8 else (x, x)
     _gate_up_kernel[(block_expert.shape[0], triton.cdiv(inter, block_n))](
-        x, w1, w3, s1, s3, act, row_entry, block_expert,
+        x_in, x_scales, w1, w3, s1, s3, act, row_entry, block_expert,
         inter, hidden, top_k, experts.num_held, swiglu_limit,
-        x.stride(0), w1.stride(0), w1.stride(1), se, sn, act.stride(0),
+        x_in.stride(0), x_scales.stride(0), w1.stride(0), w1.stride(1), se, sn, act.stride(0),
         FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, num_warps=warps, num_stages=stages,
     )
     held_all = bool(experts.num_held == experts.local_ids.shape[0])
     alloc = torch.empty if held_all else torch.zeros
     y = alloc((tokens * top_k, hidden), dtype=x.dtype, device=x.device)
     s2, se2, sn2 = _scale_args(experts.w2_scale, w2)
+    act_in, act_scales = quantize_fp8_rows(act, block_k) if a8 else (act, act)
     _down_kernel[(block_expert.shape[0], triton.cdiv(hidden, block_n))](
-        act, w2, s2, y, weights.reshape(-1).float().contiguous(), row_entry, block_expert,
+        act_in, act_scales, w2, s2, y, weights.reshape(-1).float().contiguous(), row_entry, block_expert,
         hidden, inter, experts.num_held,
-        act.stride(0), w2.stride(0), w2.stride(1), se2, sn2, y.stride(0),
+        act_in.stride(0), act_scales.stride(0), w2.stride(0), w2.stride(1), se2, sn2, y.stride(0),
         FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, num_warps=warps, num_stages=stages,
     )
     routed = y.view(tokens, top_k, hidden).float()
     if not batch_invariant:

@@ -1,9 +1,12 @@
-"""y = x @ W.T with W dense (bf16/fp32), fp8 e4m3 block-scaled or packed fp4 e2m1 (W8A16 / W4A16).
+"""y = x @ W.T with W dense (bf16/fp32), fp8 e4m3 block-scaled or packed fp4 e2m1 (W8A16 / W4A16 / W8A8).
 
 The weight tile is dequantised in registers and meets x on the tensor cores in x.dtype with a float32
 accumulator; fp8 block scales (powers of two) multiply each tile's partial product, which equals
 scaling the weight exactly. Float32 inputs use IEEE float32 dots (the contract asks 1e-5, tf32 would
-give ~3e-4).
+give ~3e-4). With `fp8_activations` an fp8 weight meets x quantised to fp8 (`activation_quant`, one pass
+before the product) on the fp8 tensor cores; a K tile is one weight block and one activation group, and
+each tile's product is a fresh float32 MMA result scaled and added to the accumulator, so no long fp8
+accumulation chain forms.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, quantize_fp8_rows
 from deepinfer_kernels.weight_tiles import as_kernel_weight, e8m0_to_float, load_weight_tile, weight_format
 
 __all__ = ["BATCH_INVARIANT_ROWS", "linear", "linear_supported", "split_k", "tile_config"]
@@ -23,17 +27,17 @@ BATCH_INVARIANT_ROWS = 64
 
 @triton.jit
 def _linear_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_PER_SPLIT,
-    stride_xm, stride_wn, stride_sn, stride_ym, stride_ysplit,
+    x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_PER_SPLIT,
+    stride_xm, stride_xsm, stride_wn, stride_sn, stride_ym, stride_ysplit,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)  # this program's K range; with several, y holds float32 partial sums per split
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    compute = x_ptr.dtype.element_ty
+    compute = x_ptr.dtype.element_ty  # fp8 codes with A8 (then xs_ptr holds their per-row, per-K-tile scales)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(split * K_PER_SPLIT, tl.minimum(K, (split + 1) * K_PER_SPLIT), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -42,7 +46,10 @@ def _linear_kernel(
             mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0,
         )
         w = load_weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K)
-        if IEEE:
+        if A8:
+            x_scale = tl.load(xs_ptr + offs_m.to(tl.int64) * stride_xsm + k0 // BLOCK_K, mask=offs_m < M, other=0.0)
+            part = tl.dot(x, tl.trans(w)) * x_scale[:, None]
+        elif IEEE:
             part = tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
             part = tl.dot(x, tl.trans(w))
@@ -77,10 +84,13 @@ def split_k(tiles: int, k: int, block_k: int, num_sms: int) -> int:
     return max(1, min(-(-2 * num_sms // tiles), k // (4 * block_k), 16))
 
 
-def linear_supported(weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
-    """fp8 tiles must divide the scale block (powers of two >= 16); fp4 needs whole 32-column scale groups."""
+def linear_supported(weight: torch.Tensor, block: tuple[int, int] | None, fp8_activations: bool = False) -> bool:
+    """fp8 tiles must divide the scale block (powers of two >= 16), and with fp8 activations span its K
+    exactly; fp4 needs whole 32-column scale groups."""
     fmt = weight_format(weight)
     if fmt == 1:
+        if fp8_activations and not fp8_activation_tiles_supported(block):
+            return False
         return block is not None and all(b >= 16 and b & (b - 1) == 0 for b in block)
     if fmt == 2:
         return (weight.shape[1] * 2) % 32 == 0
@@ -89,21 +99,29 @@ def linear_supported(weight: torch.Tensor, block: tuple[int, int] | None) -> boo
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
-    batch_invariant: bool = False, num_sms: int | None = None,
+    batch_invariant: bool = False, num_sms: int | None = None, fp8_activations: bool = False,
 ) -> torch.Tensor:
     """y = x @ W.T. `num_sms`: the device's multiprocessors; given, launches with few output tiles split K
-    (not in batch-invariant mode, whose K loop must not depend on the row count)."""
+    (not in batch-invariant mode, whose K loop must not depend on the row count). `fp8_activations`:
+    an fp8 weight meets x quantised to fp8 (W8A8); other weights ignore it."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     n, fmt = weight.shape[0], weight_format(weight)
+    if fp8_activations and fmt == 1 and not fp8_activation_tiles_supported(block):
+        raise ValueError(f"fp8 activations need an fp8 weight block of 32, 64 or 128 columns, not {block}")
     w, s = as_kernel_weight(weight.contiguous() if weight.stride(-1) != 1 else weight, scale)
     if fmt == 0 and w.dtype != x.dtype:
         w = w.to(x.dtype)
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
     tiled_rows = BATCH_INVARIANT_ROWS if batch_invariant else rows.shape[0]
     block_m, block_n, block_k, warps, stages = tile_config(tiled_rows, fmt, block)
+    a8 = fp8_activations and fmt == 1
+    x_scales = w
+    if a8:
+        block_k = block[1]  # one K tile = one activation group
+        rows, x_scales = quantize_fp8_rows(rows, block_k)
     scale_bn, scale_bk = block if fmt == 1 else (1, 1)
     tiles = (triton.cdiv(rows.shape[0], block_m), triton.cdiv(n, block_n))
     splits = 1 if batch_invariant or num_sms is None else split_k(tiles[0] * tiles[1], k, block_k, num_sms)
@@ -111,12 +129,12 @@ def linear(
     splits = triton.cdiv(k, k_per_split)
     target = out if splits == 1 else torch.empty((splits, rows.shape[0], n), dtype=torch.float32, device=x.device)
     _linear_kernel[(*tiles, splits)](
-        rows, w, s, target, rows.shape[0], n, k, k_per_split,
-        rows.stride(0), w.stride(0), s.stride(0) if scale is not None else 0, target.stride(-2),
+        rows, x_scales, w, s, target, rows.shape[0], n, k, k_per_split,
+        rows.stride(0), x_scales.stride(0), w.stride(0), s.stride(0) if scale is not None else 0, target.stride(-2),
         target.stride(0) if splits > 1 else 0,
         FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-        num_warps=warps, num_stages=stages,
+        A8=a8, num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         out.copy_(target.sum(dim=0))

@@ -44,6 +44,7 @@ class TritonOps(KernelOps):
         self._linear = linear.linear
         self._linear_supported = linear.linear_supported
         self._moe_routed = fused_moe.moe_routed
+        self._moe_supported = fused_moe.moe_supported
         self._stacked_experts = fused_moe.StackedExperts
         self._attention = sparse_attention.sparse_attention
         self._expert_stacks: dict[tuple, fused_moe.StackedExperts] = {}
@@ -73,10 +74,13 @@ class TritonOps(KernelOps):
         scale: torch.Tensor | None = None,
         block: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        # Fallback: fp8 block shapes that are not powers of two >= 16, fp4 rows that are not whole scale groups.
-        if not self._linear_supported(weight, block):
+        # Fallback: fp8 block shapes that are not powers of two >= 16 (or, with fp8 activations, K blocks
+        # other than 32, 64 or 128), fp4 rows that are not whole scale groups.
+        if not self._linear_supported(weight, block, self.fp8_activations):
             return super().linear(x, weight, scale, block)
-        return self._linear(x, weight, scale, block, self.batch_invariant)
+        return self._linear(
+            x, weight, scale, block, self.batch_invariant, self._num_sms(x.device), self.fp8_activations
+        )
 
     def grouped_linear(
         self,
@@ -88,14 +92,14 @@ class TritonOps(KernelOps):
         groups = x.shape[1]
         rows = weight.shape[0] // groups
         # Fallback: what `linear` refuses, and fp8 groups that would split a scale block.
-        if not self._linear_supported(weight, block) or (block is not None and rows % block[0]):
+        if not self._linear_supported(weight, block, self.fp8_activations) or (block is not None and rows % block[0]):
             return super().grouped_linear(x, weight, scale, block)
         scale_rows = rows // block[0] if weight.dtype == torch.float8_e4m3fn else rows
         outs = [
             self._linear(
                 x[:, g], weight[g * rows:(g + 1) * rows],
                 None if scale is None else scale[g * scale_rows:(g + 1) * scale_rows], block, self.batch_invariant,
-                self._num_sms(x.device),
+                self._num_sms(x.device), self.fp8_activations,
             )
             for g in range(groups)
         ]
@@ -113,8 +117,12 @@ class TritonOps(KernelOps):
         # Expert parallelism calls this with no shared expert (pairs computed for another rank) or
         # with no held expert (a rank that only adds the shared term).
         if any(e is not None for e in experts):
+            stack = self._stack(experts, x.device)
+            # Fallback: fp8 experts under fp8 activations whose K block the kernel's tiles cannot match.
+            if not self._moe_supported(stack, self.fp8_activations):
+                return super().fused_moe(x, weights, ids, experts, shared, swiglu_limit)
             out = self._moe_routed(
-                x, weights, ids, self._stack(experts, x.device), swiglu_limit, self.batch_invariant
+                x, weights, ids, stack, swiglu_limit, self.batch_invariant, self.fp8_activations
             )
         else:
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

@@ -1,0 +1,76 @@
+"""Activations quantised to fp8 for W8A8 products (`KernelOps.fp8_activations`).
+
+Each row's consecutive `group` columns (the fp8 weight's K block) share one power-of-two scale 2^e, e the
+smallest with max(amax, 1e-4) <= 448 * 2^e; each value becomes the nearest e4m3 value of x / 2^e, ties to
+even: `quantization.fake_quantize_fp8_activations`, bit for bit. The rounding is done in float32 integer
+and add arithmetic (no reliance on the float-to-fp8 conversion's rounding mode, which Triton's CPU
+interpreter gets wrong near powers of two), so the final cast only converts exact values.
+
+One pass writes the codes and scales; the GEMMs then stream fp8 tiles straight into the fp8 tensor cores.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["fp8_activation_tiles_supported", "quantize_fp8_rows"]
+
+
+def fp8_activation_tiles_supported(block: tuple[int, int] | None) -> bool:
+    """A GEMM's K tile must be the weight's K block (one scale per tile for x and W): a power of two
+    from 32 (the fp8 MMA's K) to 128 (the kernels' longest fp8 K tile)."""
+    return block is not None and block[1] in (32, 64, 128)
+
+
+@triton.jit
+def _pow2(exponent):
+    """2^exponent (int32 in [-126, 127]) as float32, built from bits so that it is exact on every target."""
+    return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """float32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even: adding 2^(e + 20), e the
+    value's exponent but at least -6 (below it e4m3 steps by 2^-9), leaves 3 mantissa bits, and the
+    float32 add itself rounds to nearest even."""
+    magnitude = tl.abs(v)
+    exponent = tl.maximum(((magnitude.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    magic = _pow2(exponent + 20)
+    rounded = (magnitude + magic) - magic
+    return tl.where(v < 0, -rounded, rounded)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, codes_ptr, scales_ptr, M, K, stride_xm, stride_cm, stride_sm,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    group = tl.program_id(1)
+    offs_k = group * GROUP + tl.arange(0, GROUP)
+    rows = offs_m[:, None].to(tl.int64)
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+    bits = amax.to(tl.int32, bitcast=True)
+    # amax = m * 2^p with 1 <= m < 2, and 448 = 1.75 * 2^8: e = p - 8, or p - 7 when m > 1.75
+    exponent = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    codes = _round_to_e4m3(x * _pow2(-exponent)[:, None]).to(codes_ptr.dtype.element_ty)
+    tl.store(codes_ptr + rows * stride_cm + offs_k[None, :], codes, mask=mask)
+    tl.store(scales_ptr + offs_m.to(tl.int64) * stride_sm + group, _pow2(exponent), mask=offs_m < M)
+
+
+def quantize_fp8_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (row stride free, unit column stride) as (float8_e4m3fn codes [M, K], float32 scales
+    [M, ceil(K / group)]): x[m, k] ~ codes[m, k] * scales[m, k // group]."""
+    rows, cols = x.shape
+    codes = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((rows, triton.cdiv(cols, group)), dtype=torch.float32, device=x.device)
+    block_m = 16
+    _quantize_rows_kernel[(triton.cdiv(rows, block_m), scales.shape[1])](
+        x, codes, scales, rows, cols, x.stride(0), codes.stride(0), scales.stride(0),
+        GROUP=group, BLOCK_M=block_m, num_warps=4,
+    )
+    return codes, scales
