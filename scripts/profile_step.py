@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_model import build_deepinfer, flash_slice_raw, random_cache, replayed_decode, setup, step_batch
+from bench_model import build_deepinfer, flash_slice_raw, fresh_ops, random_cache, replayed_decode, setup, step_batch
 
 from deepinfer_core.platform.kernel_ops import KernelOps
 
@@ -81,6 +81,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device, ops = setup(args.tiny)
+    ops = fresh_ops(ops, args.weights)
     _label_ops(ops)
     bench = build_deepinfer(flash_slice_raw(args.tiny, args.weights), ops, device)
     model, config = bench.model, bench.config

@@ -102,3 +102,23 @@ def test_sparse_attention_honours_window_starts(batch_invariant):
     expected = KernelOps().sparse_attention(*args)
     assert_matches(out, expected, TOLERANCE[torch.float32])
     assert not torch.allclose(expected, KernelOps().sparse_attention(*args[:5], replace(batch, window_starts_cpu=None)))
+
+
+def test_prefill_sized_step_takes_wide_head_blocks_and_matches_reference():
+    """>= 512 bf16 queries: one program per token and 64 heads (70 heads: a partial second block)."""
+    from deepinfer_kernels.sparse_attention import tile_config
+
+    assert tile_config(520, 70, 32, torch.bfloat16, False)[0] == 64
+    gen = torch.Generator().manual_seed(5)
+    batch = _batch([520], [0], gen)
+    heads, dim = 70, 32
+    q = torch.randn(520, heads, dim, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(520, dim, generator=gen).to(torch.bfloat16)
+    window = torch.randn(NUM_SLOTS, RING, dim, generator=gen).to(torch.bfloat16)
+    sinks = torch.randn(heads, generator=gen)
+    entries = torch.randn(NUM_BLOCKS, BLOCK_SIZE // RATIO, dim, generator=gen).to(torch.bfloat16)
+    selected = torch.stack([_picks(130, 6, gen) for _ in range(520)])
+    args = (q, kv, window, sinks, dim**-0.5, batch)
+    out = sparse_attention(*args, entries=entries, ratio=RATIO, selected=selected)
+    expected = KernelOps().sparse_attention(*args, entries=entries, ratio=RATIO, selected=selected)
+    assert_matches(out, expected, TOLERANCE[torch.bfloat16])

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from deepinfer_core.models.forward_batch import ForwardBatch
 
-__all__ = ["sparse_attention"]
+__all__ = ["sparse_attention", "tile_config"]
 
 
 @triton.jit
@@ -124,6 +124,19 @@ def _sparse_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=(offs_h[:, None] < H) & d_mask[None, :])
 
 
+def tile_config(tokens: int, heads: int, dim: int, dtype: torch.dtype, batch_invariant: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_N, warps, stages) for a step of `tokens` queries, from scripts/tune_attention_tiles.py
+    on an H200 (BENCHMARKS.md): a prefill loads each key once for all 64 heads of a token (CSA prefill 4.6
+    -> 2.8 ms at 4096 tokens); a small decode step keeps 16 heads a program, so it has more programs.
+    Batch-invariant mode takes one configuration whatever the step (an MMA shape can change the order)."""
+    block_n = 32 if triton.next_power_of_2(dim) <= 256 or dtype != torch.float32 else 16
+    if batch_invariant:
+        return 16, block_n, 4, 2
+    if tokens >= 512 and dtype != torch.float32:
+        return 64, 32, 8, 2
+    return 16, block_n, 8 if tokens <= 16 else 4, 2
+
+
 def sparse_attention(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -149,9 +162,7 @@ def sparse_attention(
         batch.window_starts_cpu, dtype=torch.int32).to(q.device, non_blocking=True)
     entries_arg = entries if has_entries else kv
     selected_arg = selected if selected is not None else token_seq
-    block_h = 16
-    block_d = triton.next_power_of_2(dim)
-    block_n = 32 if block_d <= 256 else 16 if q.dtype == torch.float32 else 32
+    block_h, block_n, warps, stages = tile_config(tokens, heads, dim, q.dtype, batch_invariant)
     grid = (tokens, triton.cdiv(heads, block_h))
     _sparse_attention_kernel[grid](
         q, kv, window, sinks, entries_arg, selected_arg, out,
@@ -164,6 +175,6 @@ def sparse_attention(
         HAS_ENTRIES=has_entries, HAS_SELECTED=selected is not None, ROUND=q.dtype != torch.float32,
         IEEE=q.dtype == torch.float32, FIXED_KEY_BLOCKS=batch_invariant,
         HAS_WINDOW_STARTS=batch.window_starts_cpu is not None, BLOCK_H=block_h, BLOCK_N=block_n,
-        BLOCK_D=block_d, num_warps=4, num_stages=2,
+        BLOCK_D=triton.next_power_of_2(dim), num_warps=warps, num_stages=stages,
     )
     return out

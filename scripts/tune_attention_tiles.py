@@ -1,0 +1,73 @@
+"""Time the sparse attention kernel (`deepinfer_kernels.sparse_attention`) over tile configurations.
+
+For V4-Flash attention (64 heads sharing one 512-wide KV head, window 128, CSA top-512 / HCA entries) in
+prefill and decode steps: every candidate (BLOCK_H heads per program, BLOCK_N keys per block, warps,
+stages), its output against the current default's, median time and TFLOP/s. More heads per program
+load each key once for more heads; fewer give a small decode step more programs. The table tells which
+defaults `sparse_attention.tile_config` should return; it is a script, not a test.
+
+    python3 scripts/tune_attention_tiles.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+import torch
+from kernel_bench_common import time_ms, write_table
+from kernel_cases import _attention
+
+from deepinfer_kernels import sparse_attention
+
+CANDIDATES_H = (16, 32, 64)
+CANDIDATES_N_WARPS_STAGES = ((32, 4, 2), (32, 8, 2), (16, 8, 2), (64, 8, 1))
+# (step, sequences, new tokens each, cached context)
+STEPS = (("prefill", 1, 4096, 0), ("decode", 1, 1, 8192), ("decode", 64, 1, 8192))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default="sliding,csa,hca")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    from deepinfer_nvidia.ops import TritonOps
+
+    device = torch.device("cuda")
+    ops = TritonOps()
+    default = sparse_attention.tile_config
+    lines = ["| layer | step | seqs x tokens | BLOCK_H | BLOCK_N | warps | stages | ms | TFLOP/s | rel. diff vs default |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for (kind, seqs, q_len, ctx), layer in itertools.product(STEPS, args.layers.split(",")):
+        ratio = {"sliding": 0, "csa": 4, "hca": 128}[layer]
+        gen = torch.Generator(device=device).manual_seed(0)
+        run, _, flops, _, _, _ = _attention(ops, None, 64, 512, 128, seqs, q_len, ctx, layer, ratio, False, gen, device)
+        sparse_attention.tile_config = default
+        expected = run().float()
+        default_ms = time_ms(run, device, rep_ms=50)
+        results = []
+        for block_h, (block_n, warps, stages) in itertools.product(CANDIDATES_H, CANDIDATES_N_WARPS_STAGES):
+            config = (block_h, block_n, warps, stages)
+            sparse_attention.tile_config = lambda *_, c=config: c
+            try:
+                got = run().float()
+                diff = float((got - expected).norm() / expected.norm())
+                ms = time_ms(run, device, rep_ms=50)
+            except Exception as err:  # noqa: BLE001  (a config that does not compile is a row, not a stop)
+                results.append((float("inf"), config, type(err).__name__))
+                continue
+            results.append((ms, config, f"{diff:.1e}"))
+        sparse_attention.tile_config = default
+        results.sort(key=lambda r: r[0])
+        where = f"| {layer} | {kind} | {seqs} x {q_len} |"
+        for ms, config, diff in results[:4]:
+            lines.append(f"{where} " + " | ".join(map(str, config)) + f" | {ms:.3f} | {flops / ms / 1e9:.0f} | {diff} |")
+        default_config = default(seqs * q_len, 64, 512, torch.bfloat16, False)
+        lines.append(f"{where} default {default_config} | | | | {default_ms:.3f} | {flops / default_ms / 1e9:.0f} | 0 |")
+        print("\n".join(lines[-5:]), flush=True)
+    write_table(Path(args.out), "attention_tiles.md", lines)
+
+
+if __name__ == "__main__":
+    main()
