@@ -36,6 +36,18 @@ def test_rope_matches_reference(dtype, name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_rotates_only_the_trailing_channels_of_x(dtype):
+    args, kwargs = _case_inputs("rope", "inplace_permitted", dtype)
+    x = args[0]
+    expected = KernelOps().rope(*args, **kwargs)
+    leading = x[..., :-8].clone()
+    out = rope(*args, **kwargs)
+    assert out.data_ptr() == x.data_ptr(), "not rotated in place"
+    assert torch.equal(out[..., :-8], leading)
+    assert_matches(out, expected, ROPE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_window_matches_reference(dtype):
     (kv, window, batch), _ = _case_inputs("store_window", "mixed_step", dtype)
     expected = window.clone()

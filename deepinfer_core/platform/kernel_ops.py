@@ -138,7 +138,8 @@ class KernelOps:
 
     @row_tiled("x", "positions")
     def rope(
-        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False,
+        inplace: bool = False,
     ) -> torch.Tensor:
         """Interleaved partial RoPE on the trailing 2*len(inv_freq) channels of x.
 
@@ -146,7 +147,9 @@ class KernelOps:
         Pair i = channels (d-r+2i, d-r+2i+1) rotates by angle positions[t]*inv_freq[i]:
         (a, b) -> (a cos - b sin, b cos + a sin); `inverse` rotates by the negative angle.
         cos/sin are rounded to x.dtype first, the rotation runs in float32, the result is x.dtype.
-        Tolerance: float32 1e-5, bfloat16 1e-2 relative.
+        `inplace`: the caller gives x up, so a backend may rotate it in place and return it (a 512-wide
+        head with 64 rotated channels then moves 1/8 of the bytes); this reference returns a new tensor
+        either way. Tolerance: float32 1e-5, bfloat16 1e-2 relative.
         """
         rope_dim = 2 * inv_freq.shape[0]
         angles = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]

@@ -37,6 +37,7 @@ class OpCase:
     atol: dict[torch.dtype, float] = field(default_factory=dict)
     host_args: tuple[int, ...] = ()  # positional args that stay in host memory (e.g. an engram table)
     modes: dict[str, bool] = field(default_factory=dict)  # `KernelOps` flags set on both sides, e.g. fp8_activations
+    given_up: tuple[int, ...] = ()  # positional args the op may overwrite (e.g. rope's x with inplace=True)
 
 
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -79,11 +80,11 @@ def _step_batch(
 _QUERY_LENS, _CONTEXT_LENS = [11, 6, 1, 1], [0, 9, 22, 5]
 
 
-def _rope_inputs(gen, dt, inverse):
+def _rope_inputs(gen, dt, inverse, inplace=False):
     x = _randn(gen, 9, 3, 24, dtype=dt)
     positions = torch.randint(0, 5000, (9,), generator=gen)
     inv_freq = 1.0 / (160000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
-    return (x, positions, inv_freq, inverse), {}
+    return (x, positions, inv_freq, inverse), {"inplace": inplace}
 
 
 def _hc_pre_inputs(gen, dt):
@@ -289,6 +290,8 @@ OP_CASES: list[OpCase] = [
     ),
     OpCase("rope", "forward", lambda g, dt: _rope_inputs(g, dt, False), rtol=_TOL_RTOL, atol=_TOL_ATOL),
     OpCase("rope", "inverse", lambda g, dt: _rope_inputs(g, dt, True), rtol=_TOL_RTOL, atol=_TOL_ATOL),
+    OpCase("rope", "inplace_permitted", lambda g, dt: _rope_inputs(g, dt, False, inplace=True),
+           rtol=_TOL_RTOL, atol=_TOL_ATOL, given_up=(0,)),
     OpCase("hc_pre", "four_streams", _hc_pre_inputs, rtol=_TOL_RTOL, atol=_TOL_ATOL),
     OpCase("hc_post", "four_streams", _hc_post_inputs, rtol=_WIDE_RTOL, atol=_WIDE_ATOL),
     OpCase("hc_head", "two_streams", _hc_head_inputs, rtol=_TOL_RTOL, atol=_TOL_ATOL),

@@ -243,10 +243,10 @@ def moe_routed(
         FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, num_warps=warps, num_stages=stages,
     )
-    routed = y.view(tokens, top_k, hidden).float()
+    routed = y.view(tokens, top_k, hidden)
     if not batch_invariant:
-        return routed.sum(dim=1)
-    total = routed[:, 0].clone()
+        return routed.sum(dim=1, dtype=torch.float32)  # float32 accumulation, no float32 copy of y
+    total = routed[:, 0].float()
     for slot in range(1, top_k):
         total += routed[:, slot]
     return total

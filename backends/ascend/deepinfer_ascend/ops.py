@@ -54,8 +54,10 @@ class AscendOps(KernelOps):
         return self._rms_norm(work, gamma.to(work.dtype), epsilon=eps)[0].to(x.dtype)
 
     def rope(
-        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False,
+        inplace: bool = False,
     ) -> torch.Tensor:
+        # `inplace` is a permission, not used here: the result is always a new tensor.
         # torch_npu.npu_rotary_mul(input, r1, r2, rotary_mode="interleave"): out = r1 * x + r2 * x_new with
         # x_new[2i] = -x[2i+1], x_new[2i+1] = x[2i]; 4-D input in BSND with r1/r2 broadcast as 1S1D.
         # https://www.hiascend.com/document/detail/zh/Pytorch/700/apiref/apilist/ptaoplist_000141.html

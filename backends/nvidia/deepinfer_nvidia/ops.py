@@ -165,12 +165,13 @@ class TritonOps(KernelOps):
         return self._hc_update(block_out, streams, post, comb, round_terms=False)
 
     def rope(
-        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False,
+        inplace: bool = False,
     ) -> torch.Tensor:
         # Fallback: a rotary width whose half is not a power of two.
         if not self._rope_supported(inv_freq):
             return super().rope(x, positions, inv_freq, inverse)
-        return self._rope(x, positions, inv_freq, inverse)
+        return self._rope(x, positions, inv_freq, inverse, inplace)
 
     def indexer_topk(
         self, q: torch.Tensor, head_weights: torch.Tensor, index_keys: torch.Tensor, ratio: int, topk: int,

@@ -48,8 +48,8 @@ class Attention(nn.Module):
         ops, pos = self.ops, batch.positions
         q_latent = self.q_norm(self.wq_a(x))
         q = ops.rms_norm(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), None, self.eps)
-        q = ops.rope(q, pos, self.inv_freq)
-        kv = ops.rope(self.kv_norm(self.wkv(x)), pos, self.inv_freq)
+        q = ops.rope(q, pos, self.inv_freq, inplace=True)
+        kv = ops.rope(self.kv_norm(self.wkv(x)), pos, self.inv_freq, inplace=True)
         projections = [p for pool in self.pools for p in pool.project(x)]
         # Every row of the step reaches the cache; this process's queries (`batch`) read it.
         keys, step = self.step_rows.share_keys([kv, *projections], batch, cache.window)
@@ -66,7 +66,7 @@ class Attention(nn.Module):
             entries=entries, ratio=self.ratio, selected=selected,
         )
         ops.store_window(step_kv, cache.window, step)
-        out = ops.rope(out, pos, self.inv_freq, inverse=True)
+        out = ops.rope(out, pos, self.inv_freq, inverse=True, inplace=True)
         groups = out.view(out.shape[0], self.o_groups, -1)
         grouped = ops.grouped_linear(groups, self.wo_a.weight, self.wo_a.scale, self.wo_a.block)
         return self.wo_b(grouped.flatten(1))

@@ -35,5 +35,5 @@ class Indexer(nn.Module):
         """[T, index_topk] int64 entry ids per query, -1 padded; `state` already holds this step's
         index keys (the attention runs `compressor` first)."""
         q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
-        q = self.ops.rope(q, batch.positions, inv_freq)
+        q = self.ops.rope(q, batch.positions, inv_freq, inplace=True)
         return self.ops.indexer_topk(q, self.weights_proj(x), state.entries, self.ratio, self.topk, batch)
