@@ -10,10 +10,11 @@ import gc
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -107,6 +108,34 @@ def finish_plot(fig, ax, path, xlabel: str, ylabel: str, *, x_log_base: int | No
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     save_plot(fig, path)
+
+
+def time_candidates(
+    run: Callable[[], torch.Tensor], expected: torch.Tensor, candidates: Iterable[Any], apply: Callable[[Any], None],
+    device: torch.device, rep_ms: int = 50,
+) -> list[tuple[float, Any, str]]:
+    """(median ms, candidate, relative difference of run()'s output from `expected`) for each candidate
+    put in place by apply(candidate) (a tile sweep patches the kernel module's tile function), fastest
+    first; a candidate that fails (e.g. does not compile) is a row with inf ms and the error's name.
+    The caller puts its default back."""
+    results = []
+    for candidate in candidates:
+        apply(candidate)
+        try:
+            got = run().float()
+            diff = float((got - expected).norm() / expected.norm())
+            ms = time_ms(run, device, rep_ms=rep_ms)
+        except Exception as err:  # noqa: BLE001  (a candidate that does not compile is a row, not a stop)
+            results.append((float("inf"), candidate, type(err).__name__))
+            continue
+        results.append((ms, candidate, f"{diff:.1e}"))
+    return sorted(results, key=lambda r: r[0])
+
+
+def tiles_from(module: Any) -> Callable[[Any], None]:
+    """`time_candidates`' apply for a kernel module whose `tile_config(...)` picks its tiles: the
+    candidate becomes what tile_config returns."""
+    return lambda config: setattr(module, "tile_config", lambda *_: config)
 
 
 def write_table(out: Path, name: str, lines: list[str]) -> None:

@@ -16,7 +16,7 @@ import itertools
 from pathlib import Path
 
 import torch
-from kernel_bench_common import time_ms, write_table
+from kernel_bench_common import tiles_from, time_candidates, time_ms, write_table
 from kernel_cases import _attention
 
 from deepinfer_kernels import sparse_attention
@@ -46,20 +46,9 @@ def main() -> None:
         sparse_attention.tile_config = default
         expected = run().float()
         default_ms = time_ms(run, device, rep_ms=50)
-        results = []
-        for block_h, (block_n, warps, stages) in itertools.product(CANDIDATES_H, CANDIDATES_N_WARPS_STAGES):
-            config = (block_h, block_n, warps, stages)
-            sparse_attention.tile_config = lambda *_, c=config: c
-            try:
-                got = run().float()
-                diff = float((got - expected).norm() / expected.norm())
-                ms = time_ms(run, device, rep_ms=50)
-            except Exception as err:  # noqa: BLE001  (a config that does not compile is a row, not a stop)
-                results.append((float("inf"), config, type(err).__name__))
-                continue
-            results.append((ms, config, f"{diff:.1e}"))
+        candidates = [(h, *nws) for h, nws in itertools.product(CANDIDATES_H, CANDIDATES_N_WARPS_STAGES)]
+        results = time_candidates(run, expected, candidates, tiles_from(sparse_attention), device)
         sparse_attention.tile_config = default
-        results.sort(key=lambda r: r[0])
         where = f"| {layer} | {kind} | {seqs} x {q_len} |"
         for ms, config, diff in results[:4]:
             lines.append(f"{where} " + " | ".join(map(str, config)) + f" | {ms:.3f} | {flops / ms / 1e9:.0f} | {diff} |")

@@ -18,7 +18,7 @@ import itertools
 from pathlib import Path
 
 import torch
-from kernel_bench_common import measure_ceilings, time_ms, write_table
+from kernel_bench_common import measure_ceilings, time_candidates, time_ms, write_table
 
 from deepinfer_core.quantization import quantize_fp8_block
 from deepinfer_kernels import linear
@@ -29,6 +29,14 @@ SHAPES = (("wq_a", 1024, 4096), ("wkv", 512, 4096), ("wo_b", 4096, 8192), ("shar
 CANDIDATES_NK = ((32, 128), (64, 64), (64, 128), (64, 256), (128, 128), (256, 64), (256, 128))
 CANDIDATES_WARPS_STAGES = ((4, 3), (4, 4), (8, 3), (8, 4))
 CANDIDATES_SPLIT = (0, 1, 2, 4)  # split K to fill this many times the SMs (0 = never split)
+
+
+def _apply(candidate) -> None:
+    """Tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) and K split to fill `fill` x the SMs (0: none)."""
+    config, fill = candidate
+    linear.tile_config = lambda *_: config
+    linear.split_k = (lambda tiles, k, block_k, sms: 1 if fill == 0 or tiles >= fill * sms
+                      else max(1, min(-(-fill * sms // tiles), k // (2 * block_k), 32)))
 
 
 def main() -> None:
@@ -61,26 +69,16 @@ def main() -> None:
         linear.tile_config, linear.split_k = default_tiles, default_split
         expected = run().float()
         default_ms = time_ms(run, device, rep_ms=40)
-        results = []
         splits = CANDIDATES_SPLIT if m <= 16 else (0,)
-        for (bn, bk), (warps, stages), fill in itertools.product(CANDIDATES_NK, CANDIDATES_WARPS_STAGES, splits):
-            if block is not None and (bk != block[1] or bn > block[0]):
-                continue  # fp8 tiles lie inside one scale block and span its K (W8A8: one activation group)
-            config = (16 if m <= 16 else 128, bn, bk, warps, stages)
-            linear.tile_config = lambda *_, c=config: c
-            linear.split_k = (lambda tiles, k_, bk_, sms_, f=fill: 1 if f == 0 or tiles >= f * sms_
-                              else max(1, min(-(-f * sms_ // tiles), k_ // (2 * bk_), 32)))
-            try:
-                got = run().float()
-                diff = float((got - expected).norm() / expected.norm())
-                ms = time_ms(run, device, rep_ms=40)
-            except Exception as err:  # noqa: BLE001  (a config that does not compile is a row, not a stop)
-                results.append((float("inf"), config, fill, type(err).__name__))
-                continue
-            results.append((ms, config, fill, f"{diff:.1e}"))
+        candidates = [
+            ((16 if m <= 16 else 128, bn, bk, warps, stages), fill)
+            for (bn, bk), (warps, stages), fill in itertools.product(CANDIDATES_NK, CANDIDATES_WARPS_STAGES, splits)
+            # fp8 tiles lie inside one scale block and span its K (W8A8: one activation group)
+            if block is None or (bk == block[1] and bn <= block[0])
+        ]
+        results = time_candidates(run, expected, candidates, _apply, device, rep_ms=40)
         linear.tile_config, linear.split_k = default_tiles, default_split
-        results.sort(key=lambda r: r[0])
-        for ms, config, fill, diff in results[:4]:
+        for ms, (config, fill), diff in results[:4]:
             gbps = nbytes / ms / 1e6
             lines.append(f"| {name} {n}x{k} | {m} | {config[1]} | {config[2]} | {config[3]} | {config[4]} | {fill} | "
                          f"{ms:.4f} | {gbps:.0f} | {100 * gbps / bandwidth:.0f}% | {flops / ms / 1e9:.0f} | {diff} |")

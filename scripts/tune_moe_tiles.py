@@ -17,7 +17,7 @@ import itertools
 from pathlib import Path
 
 import torch
-from kernel_bench_common import time_ms, write_table
+from kernel_bench_common import tiles_from, time_candidates, time_ms, write_table
 from kernel_cases import stacked_experts
 
 from deepinfer_kernels import fused_moe
@@ -56,23 +56,12 @@ def main() -> None:
 
             fused_moe.tile_config = default
             expected = run().float()
-            results = []
-            for bm, (bn, bk), (warps, stages) in itertools.product(CANDIDATES_M, CANDIDATES_NK, CANDIDATES_WARPS_STAGES):
-                if ops.fp8_activations and bk != 128:
-                    continue
-                config = (bm, bn, bk, warps, stages)
-                fused_moe.tile_config = lambda *_, c=config: c
-                try:
-                    got = run().float()
-                    diff = float((got - expected).norm() / expected.norm())
-                    ms = time_ms(run, device, rep_ms=50)
-                except Exception as err:  # noqa: BLE001  (a config that does not compile is a row, not a stop)
-                    results.append((float("inf"), config, f"{type(err).__name__}"))
-                    continue
-                results.append((ms, config, f"{diff:.1e}"))
+            candidates = [(bm, bn, bk, warps, stages) for bm, (bn, bk), (warps, stages)
+                          in itertools.product(CANDIDATES_M, CANDIDATES_NK, CANDIDATES_WARPS_STAGES)
+                          if not (ops.fp8_activations and bk != 128)]  # W8A8: a K tile is one weight block
+            results = time_candidates(run, expected, candidates, tiles_from(fused_moe), device)
             fused_moe.tile_config = default
             default_ms = time_ms(run, device, rep_ms=50)
-            results.sort()
             for ms, config, diff in results[:5]:
                 lines.append(f"| {fmt} | {tokens} | " + " | ".join(map(str, config))
                              + f" | {ms:.3f} | {flops / ms / 1e9:.0f} | {diff} |")
