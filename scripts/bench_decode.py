@@ -86,7 +86,7 @@ def _floats(text: str) -> list[float]:
 
 
 def _deepinfer_rows(tiny, weights, batches, contexts, device, ops, ceilings):
-    ops = fresh_ops(ops, weights)
+    ops = fresh_ops(type(ops), weights)
     bench = build_deepinfer(flash_slice_raw(tiny, weights), ops, device)
     model, config = bench.model, bench.config
     block_size = 2 * max(config.compress_ratios)

@@ -77,12 +77,12 @@ def setup(tiny: bool) -> tuple[torch.device, KernelOps]:
     return device, TritonOps()
 
 
-def fresh_ops(ops: KernelOps, weights: str) -> KernelOps:
-    """New ops of `ops`' type for one model (NOTE: their expert-stack cache keeps a model's experts alive),
-    with fp8 activations (W8A8) for weights named "...-a8"."""
-    fresh = type(ops)()
-    fresh.fp8_activations = weights.endswith("-a8")
-    return fresh
+def fresh_ops(ops_type: type[KernelOps], weights: str) -> KernelOps:
+    """New ops for one model or case (NOTE: their expert-stack cache keeps a model's experts alive), with
+    fp8 activations (W8A8) for weights named "...-a8" (fp8-a8, fp4-a8)."""
+    ops = ops_type()
+    ops.fp8_activations = weights.endswith("-a8")
+    return ops
 
 
 def use_ops(model: torch.nn.Module, ops: KernelOps) -> None:

@@ -59,7 +59,7 @@ def main() -> None:
 def _deepinfer_rows(tiny, weights, tokens, seq_len, device, ops, ceilings):
     from deepinfer_core.platform.kernel_ops import KernelOps
 
-    ops = fresh_ops(ops, weights)
+    ops = fresh_ops(type(ops), weights)
     bench = build_deepinfer(flash_slice_raw(tiny, weights), ops, device)
     model, config = bench.model, bench.config
     block_size = 2 * max(config.compress_ratios)
@@ -78,9 +78,7 @@ def _deepinfer_rows(tiny, weights, tokens, seq_len, device, ops, ceilings):
         with recorded(rows, {"impl": "deepinfer", "weights": weights, "tokens": total, "seqs": len(lens)}, device) as row:
             logits = step()
             if total == tokens[0]:
-                reference = KernelOps()
-                reference.fp8_activations = ops.fp8_activations
-                use_ops(model, reference)
+                use_ops(model, fresh_ops(KernelOps, weights))
                 expected = step()
                 use_ops(model, ops)
                 row["logits_rel_error_vs_reference_ops"] = float((logits - expected).norm() / expected.norm())

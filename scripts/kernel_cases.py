@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
+from bench_model import fresh_ops
 
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
@@ -59,13 +60,6 @@ def _rms_norm(ops, reference, shape, gen, device):
             4 * x.numel(), nbytes, NORM_TOL, False)
 
 
-def _fp8_activations(ops: KernelOps, fmt: str) -> KernelOps:
-    """Ops of `ops`' type (fresh: their own expert-stack cache) with fp8 activations for "fp8-a8" cases."""
-    fresh = type(ops)()
-    fresh.fp8_activations = fmt == "fp8-a8"
-    return fresh
-
-
 def _quantized(w: torch.Tensor, fmt: str, block: tuple[int, int]):
     if fmt in ("fp8", "fp8-a8"):
         q, s = quantize_fp8_block(w, block)
@@ -77,7 +71,7 @@ def _quantized(w: torch.Tensor, fmt: str, block: tuple[int, int]):
 
 
 def _linear(ops, reference, m, n, k, fmt, tiny, gen, device):
-    ops, reference = _fp8_activations(ops, fmt), _fp8_activations(reference, fmt)
+    ops, reference = fresh_ops(type(ops), fmt), fresh_ops(type(reference), fmt)
     x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
     w = torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)
     weight, scale, block, bytes_per_weight = _quantized(w, fmt, (32, 32) if tiny else (128, 128))
@@ -109,7 +103,7 @@ def stacked_experts(num: int, hidden: int, inter: int, fmt: str, gen, device, bl
 
 def _moe(ops, reference, tokens, hidden, inter, experts, top_k, fmt, tiny, gen, device):
     # NOTE: fresh ops, so a fresh expert-stack cache per case and earlier cases' experts can be freed
-    ops, reference = _fp8_activations(ops, fmt), _fp8_activations(reference, fmt)
+    ops, reference = fresh_ops(type(ops), fmt), fresh_ops(type(reference), fmt)
     block = (32, 32) if tiny else (128, 128)
     mlps, bytes_per_weight = stacked_experts(experts, hidden, inter, fmt, gen, device, block)
     (shared,), _ = stacked_experts(1, hidden, inter, "bf16" if fmt == "bf16" else "fp8", gen, device, block)

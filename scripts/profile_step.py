@@ -81,7 +81,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device, ops = setup(args.tiny)
-    ops = fresh_ops(ops, args.weights)
+    ops = fresh_ops(type(ops), args.weights)
     _label_ops(ops)
     bench = build_deepinfer(flash_slice_raw(args.tiny, args.weights), ops, device)
     model, config = bench.model, bench.config

@@ -17,6 +17,7 @@ import itertools
 from pathlib import Path
 
 import torch
+from bench_model import fresh_ops
 from kernel_bench_common import tiles_from, time_candidates, time_ms, write_table
 from kernel_cases import stacked_experts
 
@@ -43,8 +44,7 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for fmt in args.formats.split(","):
         mlps, _ = stacked_experts(experts, hidden, inter, fmt, gen, device, (128, 128))
-        ops = TritonOps()
-        ops.fp8_activations = fmt == "fp8-a8"
+        ops = fresh_ops(TritonOps, fmt)
         for tokens in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
             ids = torch.rand(tokens, experts, device=device, generator=gen).topk(top_k, dim=-1).indices

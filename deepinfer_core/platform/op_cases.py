@@ -224,8 +224,9 @@ def _quantized_linear_inputs(gen, dt, fmt, groups=0):
     w = _randn(gen, max(groups, 1) * 40, 96) / 10
     x = _randn(gen, 13, *((groups,) if groups else ()), 96, dtype=dt)
     if fmt == "fp8":
-        weight, scale = quantize_fp8_block(w, (8 if groups else 16, 32))
-        return (x, weight, scale, (8 if groups else 16, 32)), {}
+        block = (8 if groups else 16, 32)  # grouped: 40-row groups hold whole 8-row blocks
+        weight, scale = quantize_fp8_block(w, block)
+        return (x, weight, scale, block), {}
     weight, scale = quantize_fp4(w)
     return (x, weight, scale), {}
 
