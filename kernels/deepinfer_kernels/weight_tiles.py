@@ -5,8 +5,10 @@ Formats (MODEL_SPEC §8, `deepinfer_core.quantization`), the kernels' FORMAT con
 - FP8 (1): float8_e4m3fn values; the (bn x bk) block scale is a power of two, so the caller multiplies the
   tile's partial product by it (exact) instead of scaling every element: tiles never straddle a block.
 - FP4 (2): e2m1 codes, two per byte (even column in the low nibble), one e8m0 scale per 32 columns, applied
-  here per 32-column group. Decoding builds bf16 bits from the code bits: no lookup table, no sm_90-only instruction,
-  so the same code runs on SM100 (whose native fp4 MMA path can replace it later).
+  here per 32-column group. Decoding builds float16 bits from the code bits: no lookup table, no sm_90-only
+  instruction, so the same code runs on SM100. Triton's `tl.dot_scaled` (the native fp4 MMA on SM100) was
+  measured on the H200: as fast at decode sizes, 1.6x slower at prefill, and the CPU interpreter the tests
+  run through lacks it (BENCHMARKS.md).
 
 Scales arrive as raw uint8 e8m0 bytes (value 2^(byte - 127)).
 """
@@ -17,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["as_kernel_weight", "e2m1_to_bf16", "e8m0_to_float", "load_weight_tile", "weight_format"]
+__all__ = ["as_kernel_weight", "e2m1_as_fp16", "e8m0_to_float", "load_weight_tile", "weight_format"]
 
 
 def weight_format(weight: torch.Tensor) -> int:
@@ -43,13 +45,12 @@ def e8m0_to_float(byte):
 
 
 @triton.jit
-def e2m1_to_bf16(code):
-    """e2m1 codes (int32 0..15) as bfloat16, built from bits: e2m1 is exactly representable in bf16."""
-    exponent = (code >> 1) & 3
-    mantissa = code & 1
-    normal = ((exponent + 126) << 7) | (mantissa << 6)
-    bits = tl.where(exponent == 0, mantissa * 0x3F00, normal) | ((code & 8) << 12)
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+def e2m1_as_fp16(code):
+    """The low nibble of int32 `code` (e2m1: sign, 2 exponent bits, 1 mantissa bit) as float16 equal to its
+    value * 2^-14: the magnitude bits land in the exponent's and mantissa's lowest bits, so the
+    exponent-0 codes become float16 subnormals (0.5 -> 2^-15) and no case needs a select. Five integer
+    ops; the bf16 bit layout needs a select for those codes and ran 1.7x slower (BENCHMARKS.md)."""
+    return (((code & 7) << 9) | ((code & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -67,12 +68,13 @@ def load_weight_tile(
         pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         packed = tl.load(w_ptr + rows * stride_wn + pairs[None, :],
                          mask=(offs_n[:, None] < N) & (pairs[None, :] < K // 2), other=0).to(tl.int32)
-        values = tl.reshape(tl.join(e2m1_to_bf16(packed & 15), e2m1_to_bf16(packed >> 4)), [offs_n.shape[0], BLOCK_K])
+        values = tl.reshape(tl.join(e2m1_as_fp16(packed), e2m1_as_fp16(packed >> 4)), [offs_n.shape[0], BLOCK_K])
         groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         scale = e8m0_to_float(tl.load(s_ptr + rows * stride_sn + groups[None, :],
                                       mask=(offs_n[:, None] < N) & (groups[None, :] < K // 32), other=127))
-        scaled = tl.reshape(values.to(tl.float32), [offs_n.shape[0], BLOCK_K // 32, 32]) * scale[:, :, None]
-        return tl.reshape(scaled, [offs_n.shape[0], BLOCK_K]).to(COMPUTE)
+        # 2^14 undoes e2m1_as_fp16's offset (exact); a separate product, so no scale byte overflows
+        grouped = tl.reshape(values.to(tl.float32), [offs_n.shape[0], BLOCK_K // 32, 32]) * 16384.0
+        return tl.reshape(grouped * scale[:, :, None], [offs_n.shape[0], BLOCK_K]).to(COMPUTE)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
