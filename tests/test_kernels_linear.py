@@ -10,7 +10,7 @@ from kernel_checks import assert_matches
 
 from deepinfer_core.platform.kernel_ops import KernelOps
 from deepinfer_core.quantization import quantize_fp4, quantize_fp8_block
-from deepinfer_kernels.linear import linear, linear_supported, split_k
+from deepinfer_kernels.linear import grouped_linear, linear, linear_supported, split_k
 from deepinfer_nvidia.ops import TritonOps
 
 # Same dequantised weights on both sides (power-of-two scales are exact), so only the float32
@@ -96,12 +96,16 @@ def test_fp8_blocks_the_tiles_cannot_divide_are_refused():
 
 
 @pytest.mark.parametrize("fmt", ["dense", "fp8", "fp4"])
-def test_grouped_linear_matches_reference(fmt):
-    gen = torch.Generator().manual_seed(len(fmt))
-    x = torch.randn(7, 3, 64, generator=gen).to(torch.bfloat16)
-    weight, scale, block = _weight(fmt, 3 * 32, 64, gen, torch.bfloat16)
-    out = TritonOps().grouped_linear(x, weight, scale, block)
+@pytest.mark.parametrize("k,num_sms", [(64, None), (1024, 132)])
+def test_grouped_linear_matches_reference(fmt, k, num_sms):
+    """All groups in one launch (their K split in ranges on a many-SM device), x's rows strided."""
+    gen = torch.Generator().manual_seed(len(fmt) + k)
+    x = torch.randn(7, 3, k + 32, generator=gen).to(torch.bfloat16)[..., :k]
+    weight, scale, block = _weight(fmt, 3 * 32, k, gen, torch.bfloat16)
+    out = grouped_linear(x, weight, scale, block, num_sms=num_sms)
     assert_matches(out, KernelOps().grouped_linear(x, weight, scale, block), TOLERANCE[torch.bfloat16])
+    if num_sms is None:  # the backend's op launches the same kernel
+        assert torch.equal(out, TritonOps().grouped_linear(x, weight, scale, block))
 
 
 def test_grouped_linear_with_fp8_activations_matches_reference():

@@ -1,4 +1,5 @@
-"""y = x @ W.T with W dense (bf16/fp32), fp8 e4m3 block-scaled or packed fp4 e2m1 (W8A16 / W4A16 / W8A8).
+"""y = x @ W.T with W dense (bf16/fp32), fp8 e4m3 block-scaled or packed fp4 e2m1 (W8A16 / W4A16 / W8A8),
+and its grouped form (the output projection's groups: each group's inputs meet its own rows of W), one launch.
 
 The weight tile is dequantised in registers and meets x on the tensor cores in x.dtype with a float32
 accumulator; fp8 block scales (powers of two) multiply each tile's partial product, which equals
@@ -18,7 +19,7 @@ import triton.language as tl
 from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, quantize_fp8_rows
 from deepinfer_kernels.weight_tiles import as_kernel_weight, e8m0_to_float, load_weight_tile, weight_format
 
-__all__ = ["BATCH_INVARIANT_ROWS", "linear", "linear_supported", "split_k", "tile_config"]
+__all__ = ["BATCH_INVARIANT_ROWS", "grouped_linear", "linear", "linear_supported", "split_k", "tile_config"]
 
 # Batch-invariant mode sizes every launch's tiles as for this many rows, whatever the row count: a
 # row's K loop and MMA shapes are then the same in any batch (no config keyed on M, no split-K).
@@ -27,14 +28,22 @@ BATCH_INVARIANT_ROWS = 64
 
 @triton.jit
 def _linear_kernel(
-    x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_PER_SPLIT,
+    x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_PER_SPLIT, SPLITS,
     stride_xm, stride_xsm, stride_wn, stride_sn, stride_ym, stride_ysplit,
+    stride_xg, stride_xsg, stride_wg, stride_sg, stride_yg,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    split = tl.program_id(2)  # this program's K range; with several, y holds float32 partial sums per split
+    # axis 2: the group, then this program's K range; with several ranges, y holds float32 partial sums
+    group = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
+    x_ptr += group.to(tl.int64) * stride_xg
+    xs_ptr += group.to(tl.int64) * stride_xsg
+    w_ptr += group.to(tl.int64) * stride_wg
+    s_ptr += group.to(tl.int64) * stride_sg
+    y_ptr += group.to(tl.int64) * stride_yg
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     compute = x_ptr.dtype.element_ty  # fp8 codes with A8 (then xs_ptr holds their per-row, per-K-tile scales)
@@ -104,38 +113,56 @@ def linear(
     """y = x @ W.T. `num_sms`: the device's multiprocessors; given, launches with few output tiles split K
     (not in batch-invariant mode, whose K loop must not depend on the row count). `fp8_activations`:
     an fp8 weight meets x quantised to fp8 (W8A8); other weights ignore it."""
-    k = x.shape[-1]
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    n, fmt = weight.shape[0], weight_format(weight)
+    k, n = x.shape[-1], weight.shape[0]
+    y = grouped_linear(x.reshape(-1, 1, k), weight, scale, block, batch_invariant, num_sms, fp8_activations)
+    return y.view(*x.shape[:-1], n)
+
+
+def grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
+    batch_invariant: bool = False, num_sms: int | None = None, fp8_activations: bool = False,
+) -> torch.Tensor:
+    """x [T, G, K], weight [G*N, K] -> y [T, G, N], y[:, g] = x[:, g] @ W[g*N:(g+1)*N].T, in one launch
+    (arguments as in `linear`). fp8 groups hold whole scale blocks (N a multiple of block[0])."""
+    tokens, groups, k = x.shape
+    n, fmt = weight.shape[0] // groups, weight_format(weight)
     if fp8_activations and fmt == 1 and not fp8_activation_tiles_supported(block):
         raise ValueError(f"fp8 activations need an fp8 weight block of 32, 64 or 128 columns, not {block}")
+    if fmt == 1 and groups > 1 and n % block[0]:
+        raise ValueError(f"fp8 groups of {n} rows would split the weight's {block[0]}-row scale blocks")
+    x = x if x.stride(-1) == 1 else x.contiguous()
     w, s = as_kernel_weight(weight.contiguous() if weight.stride(-1) != 1 else weight, scale)
     if fmt == 0 and w.dtype != x.dtype:
         w = w.to(x.dtype)
-    out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
-    tiled_rows = BATCH_INVARIANT_ROWS if batch_invariant else rows.shape[0]
+    out = torch.empty((tokens, groups, n), dtype=x.dtype, device=x.device)
+    tiled_rows = BATCH_INVARIANT_ROWS if batch_invariant else tokens
     block_m, block_n, block_k, warps, stages = tile_config(tiled_rows, fmt, block)
     a8 = fp8_activations and fmt == 1
-    x_scales = w
+    x_in, x_scales = x, w
     if a8:
         block_k = block[1]  # one K tile = one activation group
-        rows, x_scales = quantize_fp8_rows(rows, block_k)
+        codes, x_scales = quantize_fp8_rows(x.reshape(tokens * groups, k), block_k)
+        x_in, x_scales = codes.view(tokens, groups, k), x_scales.view(tokens, groups, -1)
     scale_bn, scale_bk = block if fmt == 1 else (1, 1)
-    tiles = (triton.cdiv(rows.shape[0], block_m), triton.cdiv(n, block_n))
-    splits = 1 if batch_invariant or num_sms is None else split_k(tiles[0] * tiles[1], k, block_k, num_sms)
+    scale_rows_per_group = n // scale_bn
+    tiles = (triton.cdiv(tokens, block_m), triton.cdiv(n, block_n))
+    splits = 1
+    if not batch_invariant and num_sms is not None:
+        splits = split_k(tiles[0] * tiles[1] * groups, k, block_k, num_sms)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
-    target = out if splits == 1 else torch.empty((splits, rows.shape[0], n), dtype=torch.float32, device=x.device)
-    _linear_kernel[(*tiles, splits)](
-        rows, x_scales, w, s, target, rows.shape[0], n, k, k_per_split,
-        rows.stride(0), x_scales.stride(0), w.stride(0), s.stride(0) if scale is not None else 0, target.stride(-2),
+    target = out if splits == 1 else torch.empty((splits, tokens, groups, n), dtype=torch.float32, device=x.device)
+    s_stride = s.stride(0) if scale is not None else 0
+    _linear_kernel[(*tiles, groups * splits)](
+        x_in, x_scales, w, s, target, tokens, n, k, k_per_split, splits,
+        x_in.stride(0), x_scales.stride(0), w.stride(0), s_stride, target.stride(-3),
         target.stride(0) if splits > 1 else 0,
+        x_in.stride(1), x_scales.stride(1) if a8 else 0, n * w.stride(0), scale_rows_per_group * s_stride,
+        target.stride(-2),
         FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
         A8=a8, num_warps=warps, num_stages=stages,
     )
-    if splits > 1:
-        out.copy_(target.sum(dim=0))
-    return out.view(*x.shape[:-1], n)
+    if splits > 1:  # the partial sums in split order, rounded once into out: one launch
+        torch.sum(target, dim=0, out=out)
+    return out
