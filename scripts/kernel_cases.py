@@ -39,6 +39,20 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
         for name, n, k in projections:
             for fmt in ("bf16", "fp8", "fp8-a8", "fp4"):
                 yield Case(f"linear {name} {fmt} M={m} N={n} K={k}", partial(_linear, ops, reference, m, n, k, fmt, tiny))
+    groups, group_rows = (2, 32) if tiny else (8, 1024)  # wo_a: o_groups x o_lora_rank, K = heads*dim/groups
+    for m in ([1, 33] if tiny else [1, 64, 8192]):
+        for fmt in ("bf16", "fp8", "fp8-a8"):
+            yield Case(f"grouped_linear wo_a {fmt} M={m} G={groups} N={group_rows} K={hidden}",
+                       partial(_grouped_linear, ops, reference, m, groups, group_rows, hidden, fmt, tiny))
+    for tokens in ([1, 21] if tiny else [1, 64, 8192]):
+        for hashed in (False, True):
+            yield Case(f"route {'hash' if hashed else 'score'} T={tokens} E={experts} k={top_k}",
+                       partial(_route, ops, reference, tokens, hidden, experts, top_k, hashed))
+    width = 32 if tiny else 512
+    for seqs in ([3] if tiny else [1, 64]):
+        for layer, ratio in (("csa", 4), ("hca", 8 if tiny else 128)):
+            yield Case(f"compress_kv decode {layer} S={seqs} width={width}",
+                       partial(_compress_decode, ops, reference, seqs, width, ratio, layer == "csa"))
     for tokens in ([1, 21] if tiny else [1, 16, 64, 8192]):
         for fmt in ("bf16", "fp8", "fp8-a8", "fp4"):
             yield Case(f"fused_moe {fmt} T={tokens} E={experts} k={top_k}",
@@ -78,6 +92,74 @@ def _linear(ops, reference, m, n, k, fmt, tiny, gen, device):
     nbytes = 2 * m * k + bytes_per_weight * n * k + 2 * m * n
     return (lambda: ops.linear(x, weight, scale, block), lambda: reference.linear(x, weight, scale, block),
             2 * m * n * k, nbytes, LINEAR_TOL, ops.fp8_activations)
+
+
+def _grouped_linear(ops, reference, m, groups, rows, k, fmt, tiny, gen, device):
+    ops, reference = fresh_ops(type(ops), fmt), fresh_ops(type(reference), fmt)
+    x = torch.randn(m, groups, k, device=device, generator=gen).to(torch.bfloat16)
+    w = torch.randn(groups * rows, k, device=device, generator=gen) / math.sqrt(k)
+    weight, scale, block, bytes_per_weight = _quantized(w, fmt, (32, 32) if tiny else (128, 128))
+    nbytes = 2 * m * groups * k + bytes_per_weight * groups * rows * k + 2 * m * groups * rows
+    return (lambda: ops.grouped_linear(x, weight, scale, block), lambda: reference.grouped_linear(x, weight, scale, block),
+            2 * m * groups * rows * k, nbytes, LINEAR_TOL, ops.fp8_activations)
+
+
+def _route(ops, reference, tokens, hidden, experts, top_k, hashed, gen, device):
+    """Weights scattered to [T, E], so the comparison does not depend on the order of equal picks."""
+    x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
+    gate = (torch.randn(experts, hidden, device=device, generator=gen) / math.sqrt(hidden)).to(torch.bfloat16)
+    bias = torch.randn(experts, device=device, generator=gen) * 0.1
+    table = torch.rand(97, experts, device=device, generator=gen).topk(top_k, dim=-1).indices
+    input_ids = torch.randint(0, 97, (tokens,), device=device, generator=gen)
+    extra = {"tid2eid": table, "input_ids": input_ids} if hashed else {"bias": bias}
+
+    def dense(o):
+        weights, ids = o.route(x, gate, top_k, 2.5, **extra)
+        return torch.zeros(tokens, experts, device=device).scatter_(1, ids, weights)
+
+    nbytes = 2 * tokens * hidden + 2 * experts * hidden + 12 * tokens * top_k
+    return lambda: dense(ops), lambda: dense(reference), 2 * tokens * experts * hidden, nbytes, 1e-5, False
+
+
+def _compress_decode(ops, reference, seqs, width, ratio, overlap, gen, device):
+    """One decode token per sequence, contexts spread so that some close their window. The entries the
+    reference changes are compared (the untouched ones would dilute the error); the kernel's states must
+    equal the reference's bitwise, else its output reads as NaN (a failure)."""
+    from dataclasses import replace
+
+    from deepinfer_core.platform.op_cases import _step_batch
+
+    span, proj = (2 * ratio, 2 * width) if overlap else (ratio, width)
+    per_block, blocks_per_seq = 2, 64
+    # inside each sequence's blocks_per_seq * 2 * ratio positions; even sequences close a window
+    contexts = [((7 * i) % 16 + 1) * ratio - 1 if i % 2 == 0 else (5 + i % 7) * ratio + i % ratio for i in range(seqs)]
+    num_blocks = seqs * blocks_per_seq
+    host = _step_batch(torch.Generator().manual_seed(seqs), [1] * seqs, contexts, seqs + 1, blocks_per_seq, num_blocks)
+    batch = replace(host, **{name: getattr(host, name).to(device) for name in (
+        "input_ids", "positions", "query_start_loc", "context_lens", "slot_ids", "block_tables", "logits_indices")})
+    kv, gate = (torch.randn(seqs, proj, device=device, generator=gen).to(torch.bfloat16) for _ in range(2))
+    ape = torch.randn(ratio, proj, device=device, generator=gen) * 0.5
+    norm = torch.rand(width, device=device, generator=gen) + 0.5
+    rope = min(64, width // 4)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rope, 2, device=device, dtype=torch.float32) / rope))
+    states = [torch.randn(seqs + 1, span, proj, device=device, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    entries = torch.randn(num_blocks, per_block, width, device=device, generator=gen).to(torch.bfloat16)
+
+    def run(o):
+        state_kv, state_gate, out = states[0].clone(), states[1].clone(), entries.clone()
+        o.compress_kv(kv, gate, ape, norm, 1e-6, inv_freq, ratio, overlap, state_kv, state_gate, out, batch)
+        return state_kv, state_gate, out
+
+    *expected_states, expected = run(reference)
+    changed = (expected != entries).any(-1)
+
+    def kernel():
+        state_kv, state_gate, out = run(ops)
+        same = torch.equal(state_kv, expected_states[0]) and torch.equal(state_gate, expected_states[1])
+        return out[changed] if same else torch.full_like(out[changed], float("nan"))
+
+    nbytes = 2 * seqs * (2 * proj + 2 * span * proj + width)
+    return kernel, lambda: run(reference)[2][changed], 0, nbytes, NORM_TOL, False
 
 
 def stacked_experts(num: int, hidden: int, inter: int, fmt: str, gen, device, block) -> tuple[list[MlpWeights], float]:

@@ -10,6 +10,7 @@ from kernel_checks import assert_matches
 
 from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
 from deepinfer_core.quantization import quantize_fp4, quantize_fp8_block
+from deepinfer_kernels.fused_moe import moe_routed, shared_fusable
 from deepinfer_nvidia.ops import TritonOps
 
 # The reference accumulates each expert's weighted output in the compute dtype in expert order, the
@@ -31,12 +32,14 @@ def _mlp(fmt: str, hidden: int, inter: int, gen: torch.Generator, dtype: torch.d
 
 
 def _inputs(fmt, dtype, tokens, experts=7, top_k=3, hidden=96, inter=64, seed=0):
+    """The shared expert in the experts' format (it then runs in their launches), fp8 beside fp4 experts
+    as in the fp4 checkpoints (it then runs apart)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen) + 0.1
     mlps = [_mlp(fmt, hidden, inter, gen, dtype) for _ in range(experts)]
-    return x, weights, ids, mlps, _mlp("dense", hidden, inter, gen, dtype)
+    return x, weights, ids, mlps, _mlp("fp8" if fmt == "fp4" else fmt, hidden, inter, gen, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -44,15 +47,33 @@ def _inputs(fmt, dtype, tokens, experts=7, top_k=3, hidden=96, inter=64, seed=0)
 @pytest.mark.parametrize("tokens", [1, 23])
 def test_fused_moe_matches_reference(dtype, fmt, tokens):
     x, weights, ids, mlps, shared = _inputs(fmt, dtype, tokens, seed=tokens)
-    out = TritonOps().fused_moe(x, weights, ids, mlps, shared, 1.5)
+    ops = TritonOps()
+    out = ops.fused_moe(x, weights, ids, mlps, shared, 1.5)
     assert_matches(out, KernelOps().fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[dtype])
+    (stack,) = ops._expert_stacks.values()
+    assert shared_fusable(stack, shared) == (fmt != "fp4")
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8"])
+def test_the_shared_expert_in_the_routed_launches_equals_it_run_apart(fmt):
+    """Fused, the shared expert's output meets the same roundings as when it runs through `linear`; only
+    the float32 order of the final sum differs (it is added last in batch-invariant mode: bitwise)."""
+    x, weights, ids, mlps, shared = _inputs(fmt, torch.bfloat16, 23, seed=4)
+    ops = TritonOps()
+    stack = ops._stack(mlps, x.device)
+    apart = moe_routed(x, weights, ids, stack, 1.5) + ops._swiglu(x, shared, 1.5).float()
+    assert_matches(moe_routed(x, weights, ids, stack, 1.5, shared=shared), apart, 1e-6)
+    invariant_apart = moe_routed(x, weights, ids, stack, 1.5, batch_invariant=True) + ops._swiglu(x, shared, 1.5).float()
+    assert torch.equal(moe_routed(x, weights, ids, stack, 1.5, batch_invariant=True, shared=shared), invariant_apart)
+    with pytest.raises(ValueError, match="shared expert's weights differ"):
+        moe_routed(x, weights, ids, stack, 1.5, shared=_mlp("dense", 96, 32, torch.Generator(), torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 23])
 def test_fused_moe_with_fp8_activations_matches_reference(dtype, tokens):
     """W8A8 experts (x and the SwiGLU activation quantised per row and 64-column block) and an fp8
-    shared expert through the linear kernel, against the reference's rounding of the same inputs."""
+    shared expert in their launches, against the reference's rounding of the same inputs."""
     x, weights, ids, mlps, _ = _inputs("fp8", dtype, tokens, seed=tokens)
     shared = _mlp("fp8", 96, 64, torch.Generator().manual_seed(9), dtype)
     ops, reference = TritonOps(), KernelOps()

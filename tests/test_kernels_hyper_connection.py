@@ -1,4 +1,4 @@
-"""Triton mHC kernels (`hc_mix`, `hc_collapse`, `hc_update`) against the reference ops, through the interpreter."""
+"""Triton mHC kernels (`hc_mix`, `hc_collapse`, `hc_update`, the final head) against the reference ops, through the interpreter."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from kernel_checks import assert_matches
 
 from deepinfer_core.platform.kernel_ops import KernelOps
 from deepinfer_kernels.hyper_connection import hc_collapse, hc_mix, hc_update
+from deepinfer_nvidia.ops import TritonOps
 
 # float32: reduction order only (the RMS factor applied after the dot instead of before: ~1e-7).
 # bfloat16 inputs are widened exactly; the coefficients are float32 outputs either way, so the same
@@ -32,6 +33,18 @@ def test_hc_mix_matches_reference(dtype, t, n, d, iters, norm_eps):
     args = (streams, fn, base, scale, norm_eps, 1e-6, iters)
     for out, ref in zip(hc_mix(*args), KernelOps().hc_mix(*args)):
         assert_matches(out, ref, F32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,d", [(1, 16), (70, 300)])
+def test_hc_head_matches_reference(dtype, t, d):
+    """The head's weights from hc_mix's launches with fn of n rows only (post / comb skipped), then the collapse."""
+    gen = torch.Generator().manual_seed(t + d)
+    n = 4
+    streams = _streams(gen, t, n, d, dtype)
+    fn, base, scale = torch.randn(n, n * d, generator=gen) * 0.1, torch.randn(n, generator=gen) * 0.5, torch.rand(1, generator=gen) + 0.5
+    args = (streams, fn, base, scale, 1e-6, 1e-6)
+    assert_matches(TritonOps().hc_head(*args), KernelOps().hc_head(*args), UPDATE_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

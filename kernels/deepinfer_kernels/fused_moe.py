@@ -1,12 +1,14 @@
 """Routed experts as two grouped GEMMs over tokens sorted by expert (bf16, fp8-block or fp4 weights).
 
-Plan (torch, on the device, no host sync): the T*k (token, slot) pairs are sorted by expert and each
-expert's run is padded to a multiple of BLOCK_M, so every row block of the padded order belongs to one
+Plan (`moe_plan`, three small launches, no host sync): the T*k (token, slot) pairs are sorted by expert and
+each expert's run is padded to a multiple of BLOCK_M, so every row block of the padded order belongs to one
 expert. Launch 1 computes a = silu(min(w1 x, L)) * clamp(w3 x, -L, L) for each padded row (both
 projections in one program, the clamped SwiGLU in the epilogue). Launch 2 computes w2 a, multiplies the
 routing weight and writes the pair's row of y [T*k, D]; the k rows of a token are summed afterwards in
 float32 (deterministic: no atomics). Weights are stacked per projection, w1 / w3 / w2 [E, N, K] (+ scales
-[E, ...]), so each expert can stay a separate parameter that views its slice of the stack. With
+[E, ...]), so each expert can stay a separate parameter that views its slice of the stack. The shared
+expert, when its weights look like an expert's, is one more pair per token (stack index E_held, its own
+weight pointers, weight 1): no separate MLP launches, and x read and quantised once. With
 `fp8_activations`, fp8 experts meet x and the activation quantised to fp8 (`activation_quant`: x once per
 token before launch 1, the activation between the launches), as in `linear`.
 """
@@ -19,10 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_core.platform.kernel_ops import MlpWeights
 from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, quantize_fp8_rows
+from deepinfer_kernels.moe_plan import moe_plan
 from deepinfer_kernels.weight_tiles import as_kernel_weight, e8m0_to_float, load_weight_tile, weight_format
 
-__all__ = ["StackedExperts", "moe_routed", "moe_supported", "tile_config"]
+__all__ = ["StackedExperts", "moe_routed", "moe_supported", "shared_fusable", "tile_config"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,20 +50,21 @@ class StackedExperts:
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, act_ptr, row_entry_ptr, block_expert_ptr,
-    N, K, TOP_K, NUM_HELD, limit,
+    x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr, row_entry_ptr,
+    block_expert_ptr, N, K, TOP_K, NUM_ROUTED, limit,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
-    if expert >= NUM_HELD:
+    if expert >= NUM_ROUTED + SHARED:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     entry = tl.load(row_entry_ptr + offs_m)
-    token = tl.where(entry >= 0, entry // TOP_K, 0).to(tl.int64)
+    token = tl.where(entry >= 0, entry // (TOP_K + SHARED), 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     compute = x_ptr.dtype.element_ty  # fp8 codes with A8 (xs_ptr: their per-token, per-K-tile scales)
     out_dtype = act_ptr.dtype.element_ty
@@ -67,6 +72,9 @@ def _gate_up_kernel(
     w3 = w3_ptr + expert.to(tl.int64) * stride_we
     s1 = s1_ptr + expert.to(tl.int64) * stride_se
     s3 = s3_ptr + expert.to(tl.int64) * stride_se
+    if SHARED:
+        if expert == NUM_ROUTED:  # the shared expert's row blocks
+            w1, w3, s1, s3 = sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -102,16 +110,17 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, as_ptr, w2_ptr, s2_ptr, y_ptr, route_w_ptr, row_entry_ptr, block_expert_ptr,
-    N, K, NUM_HELD,
+    act_ptr, as_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, route_w_ptr, row_entry_ptr, block_expert_ptr,
+    N, K, TOP_K, NUM_ROUTED,
     stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
-    if expert >= NUM_HELD:
+    if expert >= NUM_ROUTED + SHARED:
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     entry = tl.load(row_entry_ptr + offs_m)
@@ -119,6 +128,9 @@ def _down_kernel(
     compute = act_ptr.dtype.element_ty  # fp8 codes with A8 (as_ptr: their per-row, per-K-tile scales)
     w2 = w2_ptr + expert.to(tl.int64) * stride_we
     s2 = s2_ptr + expert.to(tl.int64) * stride_se
+    if SHARED:
+        if expert == NUM_ROUTED:
+            w2, s2 = sw2_ptr, ss2_ptr
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -136,7 +148,12 @@ def _down_kernel(
             part = part * e8m0_to_float(tl.load(s2 + (pid_n * BLOCK_N // SCALE_BN) * stride_sn + k0 // SCALE_BK))
         acc += part
     valid = entry >= 0
-    route_w = tl.load(route_w_ptr + entry, mask=valid, other=0.0)
+    if SHARED:  # pair (t, TOP_K) is the shared expert's, weight 1; the routed weights are [T, TOP_K]
+        slot = entry % (TOP_K + 1)
+        routed = valid & (slot < TOP_K)
+        route_w = tl.load(route_w_ptr + (entry // (TOP_K + 1)) * TOP_K + slot, mask=routed, other=1.0)
+    else:
+        route_w = tl.load(route_w_ptr + entry, mask=valid, other=0.0)
     y = acc.to(y_ptr.dtype.element_ty).to(tl.float32) * route_w[:, None]
     tl.store(y_ptr + tl.where(valid, entry, 0).to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
              y.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
@@ -161,30 +178,18 @@ def moe_supported(experts: StackedExperts, fp8_activations: bool) -> bool:
     return not (fp8_activations and weight_format(experts.w1) == 1) or fp8_activation_tiles_supported(experts.block)
 
 
-def _plan(ids: torch.Tensor, local_ids: torch.Tensor, num_held: int, block_m: int):
-    """(row_entry [R] int32: the (token*k + slot) pair of each padded row or -1,
-    block_expert [R / block_m] int32: the stack index of each row block, num_held past the end)."""
-    pairs = ids.numel()
-    local = local_ids[ids.reshape(-1)]
-    # scatter_add, not bincount: bincount reads the max id back to the host
-    counts = torch.zeros(num_held + 1, dtype=torch.long, device=ids.device)
-    counts = counts.scatter_add_(0, local, torch.ones_like(local))[:num_held]
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_ends = torch.cumsum(padded, 0)
-    ends = torch.cumsum(counts, 0)
-    order = torch.argsort(local, stable=True)
-    sorted_local = local[order]
-    held = sorted_local < num_held
-    expert = sorted_local.clamp(max=num_held - 1)
-    dest = pad_ends[expert] - padded[expert] + torch.arange(pairs, device=ids.device) - (ends[expert] - counts[expert])
-    rows = pairs + min(num_held, pairs) * (block_m - 1)
-    rows = triton.cdiv(rows, block_m) * block_m
-    row_entry = torch.full((rows + 1,), -1, dtype=torch.int32, device=ids.device)
-    # Pairs of experts not held go to the spare last row, which no block reads.
-    row_entry[torch.where(held, dest, rows)] = order.to(torch.int32)
-    starts = torch.arange(0, rows, block_m, device=ids.device)
-    block_expert = torch.searchsorted(pad_ends, starts, right=True).to(torch.int32)
-    return row_entry[:rows], block_expert.clamp(max=num_held)
+def shared_fusable(experts: StackedExperts, shared: MlpWeights) -> bool:
+    """The shared expert can run in the routed launches: each of its tensors has an expert's dtype, shape
+    and strides (fp4 checkpoints keep the shared expert in fp8: it then runs apart)."""
+    pairs = [(shared.w1, experts.w1), (shared.w3, experts.w3), (shared.w2, experts.w2),
+             (shared.w1_scale, experts.w1_scale), (shared.w3_scale, experts.w3_scale),
+             (shared.w2_scale, experts.w2_scale)]
+    for one, stack in pairs:
+        if (one is None) != (stack is None):
+            return False
+        if one is not None and (one.dtype != stack.dtype or one.shape != stack.shape[1:] or one.stride() != stack.stride()[1:]):
+            return False
+    return shared.block == experts.block
 
 
 def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -196,25 +201,32 @@ def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch
 
 def moe_routed(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: StackedExperts, swiglu_limit: float,
-    batch_invariant: bool = False, fp8_activations: bool = False,
+    batch_invariant: bool = False, fp8_activations: bool = False, shared: MlpWeights | None = None,
 ) -> torch.Tensor:
-    """sum_k weights[t, k] * mlp_{ids[t, k]}(x[t]) in float32 [T, D]; experts not held add nothing.
+    """sum_k weights[t, k] * mlp_{ids[t, k]}(x[t]) (+ mlp_shared(x[t]), added last) in float32 [T, D];
+    experts not held add nothing.
 
-    batch_invariant: one row-block size for every batch, and the k routed outputs summed in slot order.
+    shared: the shared expert (see `shared_fusable`), run in the same two launches as one more pair of
+    weight 1 per token, so its output meets the same roundings as the reference's separate MLP.
+    batch_invariant: one row-block size for every batch, and the outputs summed in slot order.
     fp8_activations: fp8 experts meet their inputs quantised to fp8 (W8A8; see `moe_supported`).
     """
     tokens, top_k = ids.shape
     hidden, inter = x.shape[1], experts.w1.shape[1]
     fmt = weight_format(experts.w1)
-    block_m, block_n, block_k, warps, stages = tile_config(tokens * top_k, fmt, batch_invariant)
+    if shared is not None and not shared_fusable(experts, shared):
+        raise ValueError("the shared expert's weights differ in dtype, shape, strides or block from the experts'")
     if not moe_supported(experts, fp8_activations):
         raise ValueError(f"fp8 activations need an fp8 weight block of 32, 64 or 128 columns, not {experts.block}")
+    fused = shared is not None
+    slots = top_k + fused
+    block_m, block_n, block_k, warps, stages = tile_config(tokens * slots, fmt, batch_invariant)
     a8 = fp8_activations and fmt == 1
     if fmt == 1:  # tiles inside one scale block; with fp8 activations a K tile is exactly one block
         block_n = min(block_n, experts.block[0])
         block_k = experts.block[1] if a8 else min(block_k, experts.block[1])
     scale_bn, scale_bk = experts.block if fmt == 1 else (1, 1)
-    row_entry, block_expert = _plan(ids, experts.local_ids, experts.num_held, block_m)
+    row_entry, block_expert = moe_plan(ids, experts.local_ids, experts.num_held, block_m, fused)
     x = x.contiguous()
     ieee = x.dtype == torch.float32
     w1, _ = as_kernel_weight(experts.w1, None)
@@ -222,31 +234,37 @@ def moe_routed(
     w2, _ = as_kernel_weight(experts.w2, None)
     s1, se, sn = _scale_args(experts.w1_scale, w1)
     s3, _, _ = _scale_args(experts.w3_scale, w3)
+    s2, se2, sn2 = _scale_args(experts.w2_scale, w2)
+    # the shared expert's tensors (the routed ones again when there is none: never read)
+    sw1, sw3, sw2 = (as_kernel_weight(w, None)[0] for w in ((shared.w1, shared.w3, shared.w2) if fused else (w1, w3, w2)))
+    ss1, ss3, ss2 = (_scale_args(sc, w)[0] for sc, w in (
+        ((shared.w1_scale, sw1), (shared.w3_scale, sw3), (shared.w2_scale, sw2)) if fused else ((None, s1), (None, s3), (None, s2))))
     act = torch.empty((row_entry.shape[0], inter), dtype=x.dtype, device=x.device)
     x_in, x_scales = quantize_fp8_rows(x, block_k) if a8 else (x, x)
     _gate_up_kernel[(block_expert.shape[0], triton.cdiv(inter, block_n))](
-        x_in, x_scales, w1, w3, s1, s3, act, row_entry, block_expert,
+        x_in, x_scales, w1, w3, s1, s3, sw1, sw3, ss1, ss3, act, row_entry, block_expert,
         inter, hidden, top_k, experts.num_held, swiglu_limit,
         x_in.stride(0), x_scales.stride(0), w1.stride(0), w1.stride(1), se, sn, act.stride(0),
         FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, SHARED=fused,
+        num_warps=warps, num_stages=stages,
     )
     held_all = bool(experts.num_held == experts.local_ids.shape[0])
     alloc = torch.empty if held_all else torch.zeros
-    y = alloc((tokens * top_k, hidden), dtype=x.dtype, device=x.device)
-    s2, se2, sn2 = _scale_args(experts.w2_scale, w2)
+    y = alloc((tokens * slots, hidden), dtype=x.dtype, device=x.device)
     act_in, act_scales = quantize_fp8_rows(act, block_k) if a8 else (act, act)
     _down_kernel[(block_expert.shape[0], triton.cdiv(hidden, block_n))](
-        act_in, act_scales, w2, s2, y, weights.reshape(-1).float().contiguous(), row_entry, block_expert,
-        hidden, inter, experts.num_held,
+        act_in, act_scales, w2, s2, sw2, ss2, y, weights.reshape(-1).float().contiguous(), row_entry, block_expert,
+        hidden, inter, top_k, experts.num_held,
         act_in.stride(0), act_scales.stride(0), w2.stride(0), w2.stride(1), se2, sn2, y.stride(0),
         FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, SHARED=fused,
+        num_warps=warps, num_stages=stages,
     )
-    routed = y.view(tokens, top_k, hidden)
+    outputs = y.view(tokens, slots, hidden)
     if not batch_invariant:
-        return routed.sum(dim=1, dtype=torch.float32)  # float32 accumulation, no float32 copy of y
-    total = routed[:, 0].float()
-    for slot in range(1, top_k):
-        total += routed[:, slot]
+        return outputs.sum(dim=1, dtype=torch.float32)  # float32 accumulation, no float32 copy of y
+    total = outputs[:, 0].float()
+    for slot in range(1, slots):
+        total += outputs[:, slot]
     return total

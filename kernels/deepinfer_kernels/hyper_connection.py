@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["hc_collapse", "hc_mix", "hc_update"]
+__all__ = ["hc_collapse", "hc_head_weights", "hc_mix", "hc_update"]
 
 
 # The K reduction is split into chunks reduced afterwards in chunk order. Prefill-sized steps and the
@@ -27,9 +27,10 @@ _SMALL_STEP = 64
 def _hc_mix_partial_kernel(
     x_ptr, fn_ptr, part_ptr, T, K,
     N: tl.constexpr, NP: tl.constexpr, PN: tl.constexpr, WIDTH: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PRE_ONLY: tl.constexpr,
 ):
     # Partial dot products of one K chunk: part[chunk, t] = [pre (PN) | post (PN) | comb (NP*NP) | sum x^2].
+    # PRE_ONLY (the final head, fn [N, K]): the post and comb parts stay 0.
     # NP: n padded to a power of two >= 4 so the comb tile [NP*NP] is a legal dot width (>= 16);
     # PN: width of the pre / post tiles (>= 16 for the same reason).
     chunk = tl.program_id(1)
@@ -51,12 +52,13 @@ def _hc_mix_partial_kernel(
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         squares += tl.sum(x * x, axis=1)
         w_pre = tl.load(fn_ptr + cols_pn[None, :] * K + ks[:, None], mask=(cols_pn < N)[None, :] & k_ok[:, None], other=0.0)
-        w_post = tl.load(fn_ptr + (N + cols_pn)[None, :] * K + ks[:, None],
-                         mask=(cols_pn < N)[None, :] & k_ok[:, None], other=0.0)
-        w_comb = tl.load(fn_ptr + comb_rows[None, :] * K + ks[:, None], mask=cell_ok[None, :] & k_ok[:, None], other=0.0)
         acc_pre += tl.dot(x, w_pre, input_precision=PRECISION)
-        acc_post += tl.dot(x, w_post, input_precision=PRECISION)
-        acc_comb += tl.dot(x, w_comb, input_precision=PRECISION)
+        if not PRE_ONLY:
+            w_post = tl.load(fn_ptr + (N + cols_pn)[None, :] * K + ks[:, None],
+                             mask=(cols_pn < N)[None, :] & k_ok[:, None], other=0.0)
+            w_comb = tl.load(fn_ptr + comb_rows[None, :] * K + ks[:, None], mask=cell_ok[None, :] & k_ok[:, None], other=0.0)
+            acc_post += tl.dot(x, w_post, input_precision=PRECISION)
+            acc_comb += tl.dot(x, w_comb, input_precision=PRECISION)
     out = part_ptr + (chunk * T + rows.to(tl.int64))[:, None] * WIDTH
     tl.store(out + cols_pn[None, :], acc_pre, mask=row_ok[:, None])
     tl.store(out + PN + cols_pn[None, :], acc_post, mask=row_ok[:, None])
@@ -68,7 +70,7 @@ def _hc_mix_partial_kernel(
 def _hc_mix_epilogue_kernel(
     part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, CHUNKS, norm_eps, hc_eps,
     N: tl.constexpr, NP: tl.constexpr, PN: tl.constexpr, WIDTH: tl.constexpr, ITERS: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, PRE_ONLY: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
@@ -88,15 +90,15 @@ def _hc_mix_epilogue_kernel(
         squares += tl.load(part_ptr + (chunk * T + rows.to(tl.int64)) * WIDTH + 2 * PN + NP * NP, mask=row_ok, other=0.0)
     # fn @ (x * r) == r * (fn @ x): the RMS factor is applied once, after the reduction.
     r = tl.rsqrt(squares / K + norm_eps)[:, None]
-    s0 = tl.load(scale_ptr)
-    s1 = tl.load(scale_ptr + 1)
-    s2 = tl.load(scale_ptr + 2)
     pn_ok = cols_pn < N
-    pre = tl.sigmoid(acc_pre * r * s0 + tl.load(base_ptr + cols_pn, mask=pn_ok, other=0.0)[None, :]) + hc_eps
-    post = 2.0 * tl.sigmoid(acc_post * r * s1 + tl.load(base_ptr + N + cols_pn, mask=pn_ok, other=0.0)[None, :])
     out_ok = row_ok[:, None] & pn_ok[None, :]
-    tl.store(pre_ptr + rows[:, None] * N + cols_pn[None, :], pre, mask=out_ok)
+    pre = tl.sigmoid(acc_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + cols_pn, mask=pn_ok, other=0.0)[None, :])
+    tl.store(pre_ptr + rows[:, None] * N + cols_pn[None, :], pre + hc_eps, mask=out_ok)
+    if PRE_ONLY:
+        return
+    post = 2.0 * tl.sigmoid(acc_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + cols_pn, mask=pn_ok, other=0.0)[None, :])
     tl.store(post_ptr + rows[:, None] * N + cols_pn[None, :], post, mask=out_ok)
+    s2 = tl.load(scale_ptr + 2)
 
     logits = acc_comb * r * s2 + tl.load(base_ptr + 2 * N + cell_r * N + cell_c, mask=cell_ok, other=0.0)[None, :]
     logits = tl.reshape(logits, [BLOCK_T, NP, NP])
@@ -125,6 +127,19 @@ def hc_mix(
     The float32 dot products run as 3xTF32 on tensor cores (float32-level accuracy). batch_invariant
     fixes the row tile (otherwise 64 rows for prefill-sized steps, 16 for decode-sized ones).
     """
+    return _mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, batch_invariant, pre_only=False)
+
+
+def hc_head_weights(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    norm_eps: float, hc_eps: float, batch_invariant: bool = False,
+) -> torch.Tensor:
+    """The final head's collapse weights [T, n] float32 (`KernelOps.hc_head`'s pre, fn [n, n*D], base
+    [n], scale [1]): `hc_mix`'s pre from the same two launches, without the post and comb terms."""
+    return _mix(streams, fn, base, scale, norm_eps, hc_eps, 1, batch_invariant, pre_only=True)[0]
+
+
+def _mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, batch_invariant, pre_only):
     t, n, d = streams.shape
     x = streams.reshape(t, n * d)
     if x.stride(-1) != 1 or x.stride(0) != n * d:
@@ -144,11 +159,11 @@ def hc_mix(
     _hc_mix_partial_kernel[(triton.cdiv(t, block_t), chunks)](
         x, fn.float().contiguous(), parts, t, k,
         N=n, NP=np_, PN=pn, WIDTH=width, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=64, PRECISION="tf32x3",
-        num_warps=4,
+        PRE_ONLY=pre_only, num_warps=4,
     )
     _hc_mix_epilogue_kernel[(triton.cdiv(t, 16),)](
         parts, base.float().contiguous(), scale.float().contiguous(), pre, post, comb, t, k, chunks,
-        norm_eps, hc_eps, N=n, NP=np_, PN=pn, WIDTH=width, ITERS=sinkhorn_iters, BLOCK_T=16,
+        norm_eps, hc_eps, N=n, NP=np_, PN=pn, WIDTH=width, ITERS=sinkhorn_iters, BLOCK_T=16, PRE_ONLY=pre_only,
     )
     return pre, post, comb
 

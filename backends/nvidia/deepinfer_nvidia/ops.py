@@ -16,6 +16,7 @@ import torch
 
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
+from deepinfer_core.platform.row_tiles import row_tiled
 from deepinfer_nvidia.decode_compress import compress_kv_decode, is_decode_step
 from deepinfer_nvidia.host_tables import device_readable
 
@@ -36,20 +37,25 @@ class TritonOps(KernelOps):
 
     def __init__(self) -> None:
         from deepinfer_kernels import (
-            cache_writes, fused_moe, hyper_connection, indexer, linear, rms_norm, rope, row_gather,
+            cache_writes, fused_moe, hyper_connection, indexer, linear, rms_norm, rope, routing, row_gather,
             sparse_attention,
         )
 
         self._rms_norm = rms_norm.rms_norm
         self._linear = linear.linear
         self._linear_supported = linear.linear_supported
+        self._grouped_linear = linear.grouped_linear
         self._moe_routed = fused_moe.moe_routed
+        self._route_logits = routing.route_logits
+        self._routing_supported = routing.routing_supported
         self._moe_supported = fused_moe.moe_supported
+        self._shared_fusable = fused_moe.shared_fusable
         self._stacked_experts = fused_moe.StackedExperts
         self._attention = sparse_attention.sparse_attention
         self._expert_stacks: dict[tuple, fused_moe.StackedExperts] = {}
         self._hc_mix = hyper_connection.hc_mix
         self._hc_collapse = hyper_connection.hc_collapse
+        self._hc_head_weights = hyper_connection.hc_head_weights
         self._hc_update = hyper_connection.hc_update
         self._rope = rope.rope
         self._rope_supported = rope.rope_supported
@@ -89,21 +95,13 @@ class TritonOps(KernelOps):
         scale: torch.Tensor | None = None,
         block: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        groups = x.shape[1]
-        rows = weight.shape[0] // groups
+        rows = weight.shape[0] // x.shape[1]
         # Fallback: what `linear` refuses, and fp8 groups that would split a scale block.
         if not self._linear_supported(weight, block, self.fp8_activations) or (block is not None and rows % block[0]):
             return super().grouped_linear(x, weight, scale, block)
-        scale_rows = rows // block[0] if weight.dtype == torch.float8_e4m3fn else rows
-        outs = [
-            self._linear(
-                x[:, g], weight[g * rows:(g + 1) * rows],
-                None if scale is None else scale[g * scale_rows:(g + 1) * scale_rows], block, self.batch_invariant,
-                self._num_sms(x.device), self.fp8_activations,
-            )
-            for g in range(groups)
-        ]
-        return torch.stack(outs, dim=1)
+        return self._grouped_linear(
+            x, weight, scale, block, self.batch_invariant, self._num_sms(x.device), self.fp8_activations
+        )
 
     def fused_moe(
         self,
@@ -121,14 +119,57 @@ class TritonOps(KernelOps):
             # Fallback: fp8 experts under fp8 activations whose K block the kernel's tiles cannot match.
             if not self._moe_supported(stack, self.fp8_activations):
                 return super().fused_moe(x, weights, ids, experts, shared, swiglu_limit)
+            fuse = shared is not None and self._shared_fusable(stack, shared)
             out = self._moe_routed(
-                x, weights, ids, stack, swiglu_limit, self.batch_invariant, self.fp8_activations
+                x, weights, ids, stack, swiglu_limit, self.batch_invariant, self.fp8_activations,
+                shared if fuse else None,
             )
+            if fuse:
+                return out.to(x.dtype)
         else:
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if shared is not None:
+        if shared is not None:  # a shared expert stored unlike the experts (fp8 beside fp4 experts)
             out = out + self._swiglu(x, shared, swiglu_limit).float()
         return out.to(x.dtype)
+
+    # Row tiles in batch-invariant mode are for the logits GEMM (cuBLAS picks kernels by row count); the
+    # routing kernel runs a program per token, invariant by construction.
+    @row_tiled("x", "input_ids")
+    def route(
+        self,
+        x: torch.Tensor,
+        gate_weight: torch.Tensor,
+        top_k: int,
+        routed_scaling_factor: float,
+        scoring_func: str = "sqrtsoftplus",
+        bias: torch.Tensor | None = None,
+        tid2eid: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k = top_k if tid2eid is None else tid2eid.shape[1]
+        # Fallback: more experts than one program holds, or k outside 1..E.
+        if not self._routing_supported(gate_weight.shape[0], k):
+            return super().route(x, gate_weight, top_k, routed_scaling_factor, scoring_func, bias, tid2eid, input_ids)
+        logits = torch.nn.functional.linear(x, gate_weight.to(x.dtype))
+        return self._route_logits(logits, top_k, routed_scaling_factor, scoring_func, bias, tid2eid, input_ids)
+
+    @row_tiled("x")
+    def route_fp32(
+        self,
+        x: torch.Tensor,
+        gate_weight: torch.Tensor,
+        bias: torch.Tensor,
+        top_k: int,
+        routed_scaling_factor: float,
+        gate_temp: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Fallback: more experts than one program holds, or k outside 1..E.
+        if not self._routing_supported(gate_weight.shape[0], top_k):
+            return super().route_fp32(x, gate_weight, bias, top_k, routed_scaling_factor, gate_temp)
+        logits = torch.nn.functional.linear(x.float(), gate_weight.float())
+        return self._route_logits(
+            logits, top_k, routed_scaling_factor, "sqrtsoftplus", bias, gate_temp=gate_temp, normalize=top_k > 1
+        )
 
     def sparse_attention(
         self,
@@ -152,6 +193,13 @@ class TritonOps(KernelOps):
         return self._hc_mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, self.batch_invariant)
 
     def hc_collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return self._hc_collapse(streams, pre)
+
+    def hc_head(
+        self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+        hc_eps: float,
+    ) -> torch.Tensor:
+        pre = self._hc_head_weights(streams, fn, base, scale, norm_eps, hc_eps, self.batch_invariant)
         return self._hc_collapse(streams, pre)
 
     def hc_post(
@@ -199,7 +247,7 @@ class TritonOps(KernelOps):
         # whose reference path pools on fixed row tiles.
         if self.batch_invariant or not is_decode_step(batch):
             return super().compress_kv(*args)
-        return compress_kv_decode(self, *args)
+        return compress_kv_decode(*args)
 
     def _stack(self, experts: Sequence[MlpWeights | None], device: torch.device):
         """The held experts stacked [E_held, N, K]; built once per layer and reused.

@@ -1,0 +1,182 @@
+"""The decode step of `KernelOps.compress_kv` (every sequence brings one token) in one launch.
+
+One program per sequence writes the token's raw projections into its slot's state; only a token that
+closes its window pools it (softmax-gated sum over the window's slots, in chunks of slots so that the
+128-token windows of HCA fit in registers), normalises, rotates and writes the entry. Every value is
+read from device tensors, so the step can be captured in a graph. The pooling keeps the reference's
+roundings: probabilities and products in the state dtype, RMSNorm and RoPE outputs in the state dtype,
+then the entries' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["compress_decode_step"]
+
+# Elements of one [slots, channels] tile: 4096 float32 are 32 registers per thread at 4 warps.
+TILE_ELEMENTS = 4096
+# The V4 cache's dtypes (the model dtype); Triton's float8 casts saturate where torch's `.to` does not.
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@triton.jit
+def _window_slots(
+    j, ch, in_width, window, seq, slot, kv_ptr, gate_ptr, stride_kv, stride_gate, ape_ptr, state_kv_ptr,
+    state_gate_ptr, stride_slot, stride_pos, P, width, span, RATIO: tl.constexpr, OVERLAP: tl.constexpr,
+):
+    """(gate + ape as float32, kv as float32) [CHUNK, BLOCK_W] at slots `j` of the pooling: with overlap,
+    slots < RATIO are the previous window's tokens (channels :width; absent for window 0: gate -inf,
+    kv 0) and the rest the own window's (channels width:). The own window's last token is the step's
+    own (read from kv / gate, not from the state this program has just written)."""
+    dtype = state_kv_ptr.dtype.element_ty
+    num_slots = 2 * RATIO if OVERLAP else RATIO
+    token = j % RATIO
+    if OVERLAP:
+        from_prev = j < RATIO
+        present = (j < num_slots) & ((j >= RATIO) | (window > 0))
+        pos = tl.maximum(window - from_prev.to(tl.int64), 0) * RATIO + token
+        col = tl.where(from_prev, 0, width)
+    else:
+        present = j < num_slots
+        pos = window * RATIO + token
+        col = tl.zeros_like(j)
+    is_own = present & (j == num_slots - 1)
+    from_state = present & (j != num_slots - 1)
+    at_state = (slot * stride_slot + (pos % span) * stride_pos + col)[:, None] + ch[None, :]
+    at_token = col[:, None] + ch[None, :]
+    state_mask = from_state[:, None] & in_width[None, :]
+    own_mask = is_own[:, None] & in_width[None, :]
+    gate = tl.where(
+        own_mask,
+        tl.load(gate_ptr + seq * stride_gate + at_token, mask=own_mask, other=0.0).to(dtype).to(tl.float32),
+        tl.load(state_gate_ptr + at_state, mask=state_mask, other=0.0).to(tl.float32),
+    )
+    kv = tl.where(
+        own_mask,
+        tl.load(kv_ptr + seq * stride_kv + at_token, mask=own_mask, other=0.0).to(dtype).to(tl.float32),
+        tl.load(state_kv_ptr + at_state, mask=state_mask, other=0.0).to(tl.float32),
+    )
+    live = present[:, None] & in_width[None, :]
+    gate = gate + tl.load(ape_ptr + token[:, None] * P + col[:, None] + ch[None, :], mask=live, other=0.0)
+    # channels past `width` stay finite (0) so that no NaN appears; they are never stored
+    gate = tl.where(in_width[None, :], tl.where(present[:, None], gate, float("-inf")), 0.0)
+    return gate, kv
+
+
+@triton.jit
+def _decode_compress_kernel(
+    kv_ptr, gate_ptr, stride_kv, stride_gate, ape_ptr, norm_ptr, freq_ptr, state_kv_ptr, state_gate_ptr,
+    stride_slot, stride_pos, entries_ptr, stride_block, stride_entry, slot_ptr, ctx_ptr, table_ptr, stride_table,
+    P, width, span, block_size, eps, RATIO: tl.constexpr, OVERLAP: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    ctx = tl.load(ctx_ptr + seq).to(tl.int64)
+    dtype = state_kv_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK_P)
+    in_row = cols < P
+    at = slot * stride_slot + (ctx % span) * stride_pos + cols
+    tl.store(state_kv_ptr + at, tl.load(kv_ptr + seq * stride_kv + cols, mask=in_row).to(dtype), mask=in_row)
+    tl.store(state_gate_ptr + at, tl.load(gate_ptr + seq * stride_gate + cols, mask=in_row).to(dtype), mask=in_row)
+
+    if (ctx + 1) % RATIO == 0:
+        window = ctx // RATIO
+        num_slots: tl.constexpr = 2 * RATIO if OVERLAP else RATIO
+        ch = tl.arange(0, BLOCK_W)
+        in_width = ch < width
+        # softmax over the slots per channel: running max and sum first, then the weighted sum
+        top = tl.full([BLOCK_W], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_W], tl.float32)
+        for start in tl.range(0, num_slots, CHUNK):
+            gate, _ = _window_slots(
+                start + tl.arange(0, CHUNK), ch, in_width, window, seq, slot, kv_ptr, gate_ptr, stride_kv,
+                stride_gate, ape_ptr, state_kv_ptr, state_gate_ptr, stride_slot, stride_pos, P, width, span,
+                RATIO, OVERLAP,
+            )
+            new_top = tl.maximum(top, tl.max(gate, axis=0))
+            # a chunk of absent slots only (window 0's previous tokens) leaves the max at -inf
+            shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+            total = total * tl.exp(top - shift) + tl.sum(tl.exp(gate - shift[None, :]), axis=0)
+            top = new_top
+        acc = tl.zeros([BLOCK_W], tl.float32)
+        for start in tl.range(0, num_slots, CHUNK):
+            gate, kv = _window_slots(
+                start + tl.arange(0, CHUNK), ch, in_width, window, seq, slot, kv_ptr, gate_ptr, stride_kv,
+                stride_gate, ape_ptr, state_kv_ptr, state_gate_ptr, stride_slot, stride_pos, P, width, span,
+                RATIO, OVERLAP,
+            )
+            probs = (tl.exp(gate - top[None, :]) / total[None, :]).to(dtype).to(tl.float32)
+            acc += tl.sum((kv * probs).to(dtype).to(tl.float32), axis=0)
+        pooled = acc.to(dtype).to(tl.float32)
+
+        normed = pooled * tl.rsqrt(tl.sum(pooled * pooled, axis=0) / width + eps)
+        normed = (normed * tl.load(norm_ptr + ch, mask=in_width, other=0.0)).to(dtype).to(tl.float32)
+
+        # interleaved RoPE of the trailing 2*HALF channels at position window*RATIO
+        even, odd = tl.split(tl.reshape(normed, (BLOCK_W // 2, 2)))
+        pair = tl.arange(0, BLOCK_W // 2) - (width // 2 - HALF)
+        rotates = (pair >= 0) & (pair < HALF)
+        angle = (window * RATIO).to(tl.float32) * tl.load(freq_ptr + pair, mask=rotates, other=0.0)
+        cos = tl.cos(angle).to(dtype).to(tl.float32)
+        sin = tl.sin(angle).to(dtype).to(tl.float32)
+        even, odd = tl.where(rotates, even * cos - odd * sin, even), tl.where(rotates, odd * cos + even * sin, odd)
+        entry = tl.reshape(tl.join(even, odd), (BLOCK_W,)).to(dtype)
+
+        first = window * RATIO
+        block = tl.load(table_ptr + seq * stride_table + first // block_size).to(tl.int64)
+        target = entries_ptr + block * stride_block + ((first % block_size) // RATIO) * stride_entry + ch
+        tl.store(target, entry.to(entries_ptr.dtype.element_ty), mask=in_width)
+
+
+def compress_decode_step(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    inv_freq: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    state_kv: torch.Tensor,
+    state_gate: torch.Tensor,
+    entries: torch.Tensor,
+    slot_ids: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> None:
+    """`KernelOps.compress_kv` for a step where sequence i brings exactly one token, row i of kv / gate [B, P].
+
+    slot_ids, context_lens [B] and block_tables [B, max_blocks] are the batch's device tensors; the other
+    arguments are those of `KernelOps.compress_kv` (state_kv / state_gate [num_slots, span, P], entries
+    [num_blocks, block_size // ratio, width], both dtypes in `SUPPORTED_DTYPES`). One launch.
+    """
+    for name, tensor in (("state", state_kv), ("entries", entries)):
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"decode compress_kv kernel: {name} dtype {tensor.dtype} is not supported (expected one of "
+                f"{SUPPORTED_DTYPES}); use the reference KernelOps.compress_kv for it"
+            )
+    if state_gate.stride() != state_kv.stride() or state_kv.stride(-1) != 1 or entries.stride(-1) != 1:
+        raise ValueError(
+            f"decode compress_kv kernel: expected state_kv / state_gate of equal strides and states and entries "
+            f"with contiguous rows, got strides {state_kv.stride()}, {state_gate.stride()}, {entries.stride()}"
+        )
+    batch, proj = kv.shape
+    if batch == 0:
+        return
+    width, half = entries.shape[-1], inv_freq.shape[0]
+    kv, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (kv, gate))
+    block_w = triton.next_power_of_2(width)
+    num_slots = 2 * ratio if overlap else ratio
+    _decode_compress_kernel[(batch,)](
+        kv, gate, kv.stride(0), gate.stride(0), ape.float().contiguous(), norm_weight.float().contiguous(),
+        inv_freq.float().contiguous(), state_kv, state_gate, state_kv.stride(0), state_kv.stride(1), entries,
+        entries.stride(0), entries.stride(1), slot_ids, context_lens, block_tables, block_tables.stride(0),
+        proj, width, state_kv.shape[1], ratio * entries.shape[1], norm_eps, RATIO=ratio, OVERLAP=overlap, HALF=half,
+        BLOCK_P=triton.next_power_of_2(proj), BLOCK_W=block_w,
+        CHUNK=min(triton.next_power_of_2(num_slots), max(1, TILE_ELEMENTS // block_w)),
+    )
