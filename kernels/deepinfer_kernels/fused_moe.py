@@ -235,10 +235,10 @@ def moe_routed(
     s1, se, sn = _scale_args(experts.w1_scale, w1)
     s3, _, _ = _scale_args(experts.w3_scale, w3)
     s2, se2, sn2 = _scale_args(experts.w2_scale, w2)
-    # the shared expert's tensors (the routed ones again when there is none: never read)
-    sw1, sw3, sw2 = (as_kernel_weight(w, None)[0] for w in ((shared.w1, shared.w3, shared.w2) if fused else (w1, w3, w2)))
-    ss1, ss3, ss2 = (_scale_args(sc, w)[0] for sc, w in (
-        ((shared.w1_scale, sw1), (shared.w3_scale, sw3), (shared.w2_scale, sw2)) if fused else ((None, s1), (None, s3), (None, s2))))
+    # the shared expert's weights and scales (the stack's again when there is none: never read)
+    source = shared if fused else experts
+    sw1, sw3, sw2 = (as_kernel_weight(w, None)[0] for w in (source.w1, source.w3, source.w2))
+    ss1, ss3, ss2 = (_scale_args(sc, w)[0] for sc, w in zip((source.w1_scale, source.w3_scale, source.w2_scale), (sw1, sw3, sw2)))
     act = torch.empty((row_entry.shape[0], inter), dtype=x.dtype, device=x.device)
     x_in, x_scales = quantize_fp8_rows(x, block_k) if a8 else (x, x)
     _gate_up_kernel[(block_expert.shape[0], triton.cdiv(inter, block_n))](
