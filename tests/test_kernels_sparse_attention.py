@@ -108,7 +108,7 @@ def test_prefill_sized_step_takes_wide_head_blocks_and_matches_reference():
     """>= 512 bf16 queries: one program per token and 64 heads (70 heads: a partial second block)."""
     from deepinfer_kernels.sparse_attention import tile_config
 
-    assert tile_config(520, 70, 32, torch.bfloat16, False)[0] == 64
+    assert tile_config(520, 32, torch.bfloat16, False)[0] == 64
     gen = torch.Generator().manual_seed(5)
     batch = _batch([520], [0], gen)
     heads, dim = 70, 32

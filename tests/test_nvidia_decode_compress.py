@@ -9,8 +9,7 @@ import torch
 
 from deepinfer_core.platform.kernel_ops import KernelOps
 from deepinfer_core.platform.op_cases import _step_batch
-from deepinfer_kernels.decode_compress import compress_decode_step
-from deepinfer_nvidia.decode_compress import compress_kv_decode, is_decode_step
+from deepinfer_kernels.decode_compress import compress_decode_step, is_decode_step
 
 
 def _closed_entries(contexts: list[int], tables: torch.Tensor, ratio: int, block_size: int) -> set[tuple[int, int]]:
@@ -47,7 +46,7 @@ def test_decode_compress_matches_reference(dtype, ratio, overlap, width):
     expected = [t.clone() for t in (*state, entries)]
     KernelOps().compress_kv(kv, gate, *fixed, *expected, batch)
     got = [t.clone() for t in (*state, entries)]
-    compress_kv_decode(kv, gate, *fixed, *got, batch)
+    compress_decode_step(kv, gate, *fixed, *got, batch)
 
     # states are copies (exact); entries: the kernel's exp / cos / sin and sum order differ from torch's
     # by float32 ulps, which bf16 roundings of probabilities and outputs can turn into one bf16 ulp
@@ -69,6 +68,5 @@ def test_decode_compress_rejects_float8_entries():
     with pytest.raises(TypeError, match="entries dtype torch.float8_e4m3fn"):
         compress_decode_step(
             torch.ones(1, 8), torch.ones(1, 8), torch.ones(4, 8), torch.ones(8), 1e-6, torch.ones(2), 4, False,
-            state, state.clone(), entries, torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-            torch.zeros(1, 1, dtype=torch.int32),
+            state, state.clone(), entries, _step_batch(torch.Generator(), [1], [0], 1, blocks_per_seq=1, num_blocks=2),
         )

@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["compress_decode_step"]
+from deepinfer_core.models.forward_batch import ForwardBatch
+
+__all__ = ["compress_decode_step", "is_decode_step"]
 
 # Elements of one [slots, channels] tile: 4096 float32 are 32 registers per thread at 4 warps.
 TILE_ELEMENTS = 4096
@@ -132,6 +134,11 @@ def _decode_compress_kernel(
         tl.store(target, entry.to(entries_ptr.dtype.element_ty), mask=in_width)
 
 
+def is_decode_step(batch: ForwardBatch) -> bool:
+    """Every sequence of the step brings one token (what `compress_decode_step` covers)."""
+    return all(n == 1 for n in batch.query_lens_cpu)
+
+
 def compress_decode_step(
     kv: torch.Tensor,
     gate: torch.Tensor,
@@ -144,15 +151,11 @@ def compress_decode_step(
     state_kv: torch.Tensor,
     state_gate: torch.Tensor,
     entries: torch.Tensor,
-    slot_ids: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
+    batch: ForwardBatch,
 ) -> None:
-    """`KernelOps.compress_kv` for a step where sequence i brings exactly one token, row i of kv / gate [B, P].
-
-    slot_ids, context_lens [B] and block_tables [B, max_blocks] are the batch's device tensors; the other
-    arguments are those of `KernelOps.compress_kv` (state_kv / state_gate [num_slots, span, P], entries
-    [num_blocks, block_size // ratio, width], both dtypes in `SUPPORTED_DTYPES`). One launch.
+    """`KernelOps.compress_kv` for a step where sequence i brings exactly one token (`is_decode_step`), row i
+    of kv / gate [B, P]; state_kv / state_gate [num_slots, span, P] and entries [num_blocks, block_size //
+    ratio, width] in `SUPPORTED_DTYPES`. One launch, reading only the batch's device tensors.
     """
     for name, tensor in (("state", state_kv), ("entries", entries)):
         if tensor.dtype not in SUPPORTED_DTYPES:
@@ -165,17 +168,18 @@ def compress_decode_step(
             f"decode compress_kv kernel: expected state_kv / state_gate of equal strides and states and entries "
             f"with contiguous rows, got strides {state_kv.stride()}, {state_gate.stride()}, {entries.stride()}"
         )
-    batch, proj = kv.shape
-    if batch == 0:
+    seqs, proj = kv.shape
+    if seqs == 0:
         return
     width, half = entries.shape[-1], inv_freq.shape[0]
     kv, gate = (t if t.stride(-1) == 1 else t.contiguous() for t in (kv, gate))
     block_w = triton.next_power_of_2(width)
     num_slots = 2 * ratio if overlap else ratio
-    _decode_compress_kernel[(batch,)](
+    _decode_compress_kernel[(seqs,)](
         kv, gate, kv.stride(0), gate.stride(0), ape.float().contiguous(), norm_weight.float().contiguous(),
         inv_freq.float().contiguous(), state_kv, state_gate, state_kv.stride(0), state_kv.stride(1), entries,
-        entries.stride(0), entries.stride(1), slot_ids, context_lens, block_tables, block_tables.stride(0),
+        entries.stride(0), entries.stride(1), batch.slot_ids, batch.context_lens, batch.block_tables,
+        batch.block_tables.stride(0),
         proj, width, state_kv.shape[1], ratio * entries.shape[1], norm_eps, RATIO=ratio, OVERLAP=overlap, HALF=half,
         BLOCK_P=triton.next_power_of_2(proj), BLOCK_W=block_w,
         CHUNK=min(triton.next_power_of_2(num_slots), max(1, TILE_ELEMENTS // block_w)),

@@ -124,7 +124,7 @@ def _sparse_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=(offs_h[:, None] < H) & d_mask[None, :])
 
 
-def tile_config(tokens: int, heads: int, dim: int, dtype: torch.dtype, batch_invariant: bool) -> tuple[int, int, int, int]:
+def tile_config(tokens: int, dim: int, dtype: torch.dtype, batch_invariant: bool) -> tuple[int, int, int, int]:
     """(BLOCK_H, BLOCK_N, warps, stages) for a step of `tokens` queries, from scripts/tune_attention_tiles.py
     on an H200 (BENCHMARKS.md): a prefill loads each key once for all 64 heads of a token (CSA prefill 4.6
     -> 2.8 ms at 4096 tokens); a small decode step keeps 16 heads a program, so it has more programs.
@@ -162,7 +162,7 @@ def sparse_attention(
         batch.window_starts_cpu, dtype=torch.int32).to(q.device, non_blocking=True)
     entries_arg = entries if has_entries else kv
     selected_arg = selected if selected is not None else token_seq
-    block_h, block_n, warps, stages = tile_config(tokens, heads, dim, q.dtype, batch_invariant)
+    block_h, block_n, warps, stages = tile_config(tokens, dim, q.dtype, batch_invariant)
     grid = (tokens, triton.cdiv(heads, block_h))
     _sparse_attention_kernel[grid](
         q, kv, window, sinks, entries_arg, selected_arg, out,

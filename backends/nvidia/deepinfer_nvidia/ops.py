@@ -17,7 +17,6 @@ import torch
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
 from deepinfer_core.platform.row_tiles import row_tiled
-from deepinfer_nvidia.decode_compress import compress_kv_decode, is_decode_step
 from deepinfer_nvidia.host_tables import device_readable
 
 __all__ = ["TritonOps"]
@@ -37,8 +36,8 @@ class TritonOps(KernelOps):
 
     def __init__(self) -> None:
         from deepinfer_kernels import (
-            cache_writes, fused_moe, hyper_connection, indexer, linear, rms_norm, rope, routing, row_gather,
-            sparse_attention,
+            cache_writes, decode_compress, fused_moe, hyper_connection, indexer, linear, rms_norm, rope, routing,
+            row_gather, sparse_attention,
         )
 
         self._rms_norm = rms_norm.rms_norm
@@ -63,6 +62,8 @@ class TritonOps(KernelOps):
         self._indexer_supported = indexer.indexer_supported
         self._store_window = cache_writes.store_window
         self._gather_rows = row_gather.gather_rows
+        self._is_decode_step = decode_compress.is_decode_step
+        self._compress_decode_step = decode_compress.compress_decode_step
 
     @staticmethod
     @functools.cache
@@ -114,22 +115,22 @@ class TritonOps(KernelOps):
     ) -> torch.Tensor:
         # Expert parallelism calls this with no shared expert (pairs computed for another rank) or
         # with no held expert (a rank that only adds the shared term).
+        apart = shared  # the shared expert unless it runs inside the routed launches
         if any(e is not None for e in experts):
             stack = self._stack(experts, x.device)
             # Fallback: fp8 experts under fp8 activations whose K block the kernel's tiles cannot match.
             if not self._moe_supported(stack, self.fp8_activations):
                 return super().fused_moe(x, weights, ids, experts, shared, swiglu_limit)
-            fuse = shared is not None and self._shared_fusable(stack, shared)
+            fused = shared is not None and self._shared_fusable(stack, shared)
             out = self._moe_routed(
                 x, weights, ids, stack, swiglu_limit, self.batch_invariant, self.fp8_activations,
-                shared if fuse else None,
+                shared if fused else None,
             )
-            if fuse:
-                return out.to(x.dtype)
+            apart = None if fused else shared
         else:
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if shared is not None:  # a shared expert stored unlike the experts (fp8 beside fp4 experts)
-            out = out + self._swiglu(x, shared, swiglu_limit).float()
+        if apart is not None:  # stored unlike the experts (fp8 beside fp4 experts), or no expert held
+            out = out + self._swiglu(x, apart, swiglu_limit).float()
         return out.to(x.dtype)
 
     # Row tiles in batch-invariant mode are for the logits GEMM (cuBLAS picks kernels by row count); the
@@ -245,9 +246,9 @@ class TritonOps(KernelOps):
         args = (kv, gate, ape, norm_weight, norm_eps, inv_freq, ratio, overlap, state_kv, state_gate, entries, batch)
         # Fallback: prefill steps (the reference's per-sequence loop) and the batch-invariant mode,
         # whose reference path pools on fixed row tiles.
-        if self.batch_invariant or not is_decode_step(batch):
+        if self.batch_invariant or not self._is_decode_step(batch):
             return super().compress_kv(*args)
-        return compress_kv_decode(*args)
+        return self._compress_decode_step(*args)
 
     def _stack(self, experts: Sequence[MlpWeights | None], device: torch.device):
         """The held experts stacked [E_held, N, K]; built once per layer and reused.
