@@ -24,11 +24,14 @@ __all__ = ["BATCH_INVARIANT_ROWS", "grouped_linear", "linear", "linear_supported
 # Batch-invariant mode sizes every launch's tiles as for this many rows, whatever the row count: a
 # row's K loop and MMA shapes are then the same in any batch (no config keyed on M, no split-K).
 BATCH_INVARIANT_ROWS = 64
+# Split-K launches have fewer output tiles than the GPU has multiprocessors: one arrival counter each.
+_ARRIVAL_COUNTERS = 1024
+_counters: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
 def _linear_kernel(
-    x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_PER_SPLIT, SPLITS,
+    x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, counter_ptr, M, N, K, K_PER_SPLIT, SPLITS,
     stride_xm, stride_xsm, stride_wn, stride_sn, stride_ym, stride_ysplit,
     stride_xg, stride_xsg, stride_wg, stride_sg, stride_yg,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
@@ -36,7 +39,7 @@ def _linear_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    # axis 2: the group, then this program's K range; with several ranges, y holds float32 partial sums
+    # axis 2: the group, then this program's K range (with several, each writes a float32 partial sum)
     group = tl.program_id(2) // SPLITS
     split = tl.program_id(2) % SPLITS
     x_ptr += group.to(tl.int64) * stride_xg
@@ -44,6 +47,7 @@ def _linear_kernel(
     w_ptr += group.to(tl.int64) * stride_wg
     s_ptr += group.to(tl.int64) * stride_sg
     y_ptr += group.to(tl.int64) * stride_yg
+    part_ptr += group.to(tl.int64) * stride_yg
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     compute = x_ptr.dtype.element_ty  # fp8 codes with A8 (then xs_ptr holds their per-row, per-K-tile scales)
@@ -65,10 +69,23 @@ def _linear_kernel(
         if FORMAT == 1:
             part = part * e8m0_to_float(tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_BN) * stride_sn + k0 // SCALE_BK))
         acc += part
-    tl.store(
-        y_ptr + split.to(tl.int64) * stride_ysplit + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
-        acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
-    )
+    cells = offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if SPLITS == 1:
+        tl.store(y_ptr + cells, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        # The tile's last program to arrive adds the partial sums in split order (the same on every run)
+        # and resets the tile's counter for the next launch: no reduction launch.
+        tl.store(part_ptr + split.to(tl.int64) * stride_ysplit + cells, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        counter = counter_ptr + (group * tl.num_programs(0) + pid_m) * tl.num_programs(1) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLITS):
+                # from L2 (.cg): this SM's L1 never holds another SM's partial
+                total += tl.load(part_ptr + s * stride_ysplit + cells, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + cells, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(counter, 0)
 
 
 def tile_config(m: int, fmt: int, block: tuple[int, int] | None) -> tuple[int, int, int, int, int]:
@@ -87,7 +104,7 @@ def tile_config(m: int, fmt: int, block: tuple[int, int] | None) -> tuple[int, i
 def split_k(tiles: int, k: int, block_k: int, num_sms: int) -> int:
     """How many K ranges to give a launch of `tiles` output tiles so that it fills the GPU: a decode
     step's projections have few output tiles (a 1024-wide projection at 16 rows is 16 programs). The
-    partial sums add up in a fixed order afterwards, so the result is the same on every run."""
+    partial sums add up in a fixed order (in the kernel), so the result is the same on every run."""
     if tiles >= num_sms:
         return 1
     return max(1, min(-(-2 * num_sms // tiles), k // (4 * block_k), 16))
@@ -151,18 +168,27 @@ def grouped_linear(
         splits = split_k(tiles[0] * tiles[1] * groups, k, block_k, num_sms)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
-    target = out if splits == 1 else torch.empty((splits, tokens, groups, n), dtype=torch.float32, device=x.device)
+    partials, counters = out, out  # never read with one split
+    if splits > 1:
+        partials = torch.empty((splits, tokens, groups, n), dtype=torch.float32, device=x.device)
+        counters = _arrival_counters(x.device, tiles[0] * tiles[1] * groups)
     s_stride = s.stride(0) if scale is not None else 0
     _linear_kernel[(*tiles, groups * splits)](
-        x_in, x_scales, w, s, target, tokens, n, k, k_per_split, splits,
-        x_in.stride(0), x_scales.stride(0), w.stride(0), s_stride, target.stride(-3),
-        target.stride(0) if splits > 1 else 0,
+        x_in, x_scales, w, s, out, partials, counters, tokens, n, k, k_per_split, splits,
+        x_in.stride(0), x_scales.stride(0), w.stride(0), s_stride, out.stride(0), partials.stride(0),
         x_in.stride(1), x_scales.stride(1) if a8 else 0, n * w.stride(0), scale_rows_per_group * s_stride,
-        target.stride(-2),
+        out.stride(1),
         FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
         A8=a8, num_warps=warps, num_stages=stages,
     )
-    if splits > 1:  # the partial sums in split order, rounded once into out: one launch
-        torch.sum(target, dim=0, out=out)
     return out
+
+
+def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's split-K arrival counters (zero between launches: the last arrival resets its own)."""
+    if tiles > _ARRIVAL_COUNTERS:
+        raise ValueError(f"a split-K launch of {tiles} output tiles exceeds the {_ARRIVAL_COUNTERS} arrival counters")
+    if device not in _counters:
+        _counters[device] = torch.zeros(_ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+    return _counters[device]
