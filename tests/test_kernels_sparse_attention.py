@@ -122,3 +122,34 @@ def test_prefill_sized_step_takes_wide_head_blocks_and_matches_reference():
     out = sparse_attention(*args, entries=entries, ratio=RATIO, selected=selected)
     expected = KernelOps().sparse_attention(*args, entries=entries, ratio=RATIO, selected=selected)
     assert_matches(out, expected, TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("layer", ["sliding", "all_entries", "selected"])
+@pytest.mark.parametrize("step", sorted(STEPS))
+def test_split_keys_match_reference(layer, step):
+    """A step with fewer programs than multiprocessors splits its keys (decode: 6 programs, 8 splits,
+    some with no key block; mixed: 2 splits) and combines the splits to the reference's result."""
+    from deepinfer_kernels.sparse_attention import key_splits
+
+    heads, dim = 20, 48
+    gen = torch.Generator().manual_seed(len(layer) + 7 * len(step))
+    batch = _batch(*STEPS[step], gen)
+    tokens = batch.num_tokens
+    assert key_splits(tokens * 2, 48, False) == (8 if step == "decode" else 2)
+    assert key_splits(tokens * 2, 48, True) == 1
+    q = torch.randn(tokens, heads, dim, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(tokens, dim, generator=gen).to(torch.bfloat16)
+    window = torch.randn(NUM_SLOTS, RING, dim, generator=gen).to(torch.bfloat16)
+    sinks = torch.randn(heads, generator=gen)
+    kwargs = {}
+    if layer != "sliding":
+        kwargs = {"entries": torch.randn(NUM_BLOCKS, BLOCK_SIZE // RATIO, dim, generator=gen).to(torch.bfloat16),
+                  "ratio": RATIO}
+    if layer == "selected":
+        kwargs["selected"] = torch.cat([
+            torch.stack([_picks((ctx + n) // RATIO, 3, gen) for _ in range(n)])
+            for n, ctx in zip(batch.query_lens_cpu, batch.context_lens_cpu)
+        ])
+    args = (q, kv, window, sinks, dim**-0.5, batch)
+    out = sparse_attention(*args, **kwargs, num_sms=48)
+    assert_matches(out, KernelOps().sparse_attention(*args, **kwargs), TOLERANCE[torch.bfloat16])

@@ -9,6 +9,10 @@ sequence's block table. The sink starts the running max and sum (its probability
 With FIXED_KEY_BLOCKS (batch-invariant mode) the window keys are one run in blocks aligned to the
 query's position, each key read from the ring or from this step's rows: the online softmax then
 meets the same key blocks however the sequence was split into chunks.
+
+A decode step has too few (token, head block) programs to fill the GPU, so its keys are split
+(flash-decoding): split s takes key blocks s, s + SPLITS, ... of every run and writes its running
+max, sum and unnormalised output; a second launch combines a head's splits in one fixed-order reduction.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import triton.language as tl
 
 from deepinfer_core.models.forward_batch import ForwardBatch
 
-__all__ = ["sparse_attention", "tile_config"]
+__all__ = ["key_splits", "sparse_attention", "tile_config"]
+
+MAX_KEY_SPLITS = 16  # a power of two
 
 
 @triton.jit
@@ -47,15 +53,19 @@ def _attend(q, k, valid, m_i, l_i, acc, scale, ROUND: tl.constexpr, IEEE: tl.con
 
 @triton.jit
 def _sparse_attention_kernel(
-    q_ptr, kv_ptr, window_ptr, sinks_ptr, entries_ptr, selected_ptr, out_ptr,
+    q_ptr, kv_ptr, window_ptr, sinks_ptr, entries_ptr, selected_ptr, out_ptr, part_ptr, stats_ptr,
     token_seq_ptr, query_start_ptr, context_lens_ptr, slot_ids_ptr, block_tables_ptr, positions_ptr, window_starts_ptr,
     H, D, RING, ratio, per_block, top_k, scale,
     stride_qt, stride_qh, stride_kv, stride_ws, stride_wp, stride_eb, stride_eo, stride_sel, stride_bt,
     stride_ot, stride_oh,
     HAS_ENTRIES: tl.constexpr, HAS_SELECTED: tl.constexpr, ROUND: tl.constexpr, IEEE: tl.constexpr,
     FIXED_KEY_BLOCKS: tl.constexpr, HAS_WINDOW_STARTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     t = tl.program_id(0)
+    split = tl.program_id(2)
+    first = split * BLOCK_N  # this split's first key block in every run, then every SPLITS-th
+    stride = SPLITS * BLOCK_N
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
@@ -69,12 +79,15 @@ def _sparse_attention_kernel(
                 mask=(offs_h[:, None] < H) & d_mask[None, :], other=0.0)
     m_i = tl.load(sinks_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
     l_i = tl.full((BLOCK_H,), 1.0, dtype=tl.float32)
+    if split > 0:  # the sink counts once, in split 0; a finite floor keeps all-masked blocks NaN-free
+        m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
     lo = tl.maximum(pos - RING + 1, 0)
     if HAS_WINDOW_STARTS:  # bounded prefix replay: no window KV below the sequence's replay start
         lo = tl.maximum(lo, tl.load(window_starts_ptr + seq))
     if FIXED_KEY_BLOCKS:
-        for p0 in range(lo, pos + 1, BLOCK_N):
+        for p0 in range(lo + first, pos + 1, stride):
             p = p0 + tl.arange(0, BLOCK_N)
             cached = p < ctx
             fresh = (p >= ctx) & (p <= pos)
@@ -86,13 +99,13 @@ def _sparse_attention_kernel(
             k = tl.where(cached[:, None], k_ring, k_step)
             m_i, l_i, acc = _attend(q, k, cached | fresh, m_i, l_i, acc, scale, ROUND, IEEE)
     else:
-        for p0 in range(lo, ctx, BLOCK_N):
+        for p0 in range(lo + first, ctx, stride):
             p = p0 + tl.arange(0, BLOCK_N)
             valid = p < ctx
             k = tl.load(window_ptr + slot * stride_ws + (p % RING)[:, None] * stride_wp + offs_d[None, :],
                         mask=valid[:, None] & d_mask[None, :], other=0.0).to(kv_dtype)
             m_i, l_i, acc = _attend(q, k, valid, m_i, l_i, acc, scale, ROUND, IEEE)
-        for p0 in range(tl.maximum(lo, ctx), pos + 1, BLOCK_N):
+        for p0 in range(tl.maximum(lo, ctx) + first, pos + 1, stride):
             p = p0 + tl.arange(0, BLOCK_N)
             valid = p <= pos
             rows = (start + p - ctx).to(tl.int64)
@@ -103,7 +116,7 @@ def _sparse_attention_kernel(
         visible = (pos + 1) // ratio
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         if HAS_SELECTED:
-            for j0 in range(0, top_k, BLOCK_N):
+            for j0 in range(first, top_k, stride):
                 j = j0 + tl.arange(0, BLOCK_N)
                 w = tl.load(selected_ptr + t.to(tl.int64) * stride_sel + j, mask=j < top_k, other=-1).to(tl.int32)
                 valid = (w >= 0) & (w < visible)
@@ -112,16 +125,41 @@ def _sparse_attention_kernel(
                             + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0).to(kv_dtype)
                 m_i, l_i, acc = _attend(q, k, valid, m_i, l_i, acc, scale, ROUND, IEEE)
         else:
-            for w0 in range(0, visible, BLOCK_N):
+            for w0 in range(first, visible, stride):
                 w = w0 + tl.arange(0, BLOCK_N)
                 valid = w < visible
                 block = tl.load(table + w // per_block, mask=valid, other=0).to(tl.int64)
                 k = tl.load(entries_ptr + block[:, None] * stride_eb + (w % per_block)[:, None] * stride_eo
                             + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0).to(kv_dtype)
                 m_i, l_i, acc = _attend(q, k, valid, m_i, l_i, acc, scale, ROUND, IEEE)
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(offs_h[:, None] < H) & d_mask[None, :])
+    h_ok = offs_h < H
+    if SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_mask[None, :])
+    else:  # [T, SPLITS, H, BLOCK_D] unnormalised outputs, [T, SPLITS, 2, H] running maxima and sums
+        row = (t.to(tl.int64) * SPLITS + split) * H + offs_h
+        tl.store(part_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=h_ok[:, None])
+        stats = stats_ptr + (t.to(tl.int64) * SPLITS + split) * 2 * H + offs_h
+        tl.store(stats, m_i, mask=h_ok)
+        tl.store(stats + H, l_i, mask=h_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_ptr, stats_ptr, out_ptr, H, D, stride_ot, stride_oh, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    splits = tl.arange(0, SPLITS)
+    stats = stats_ptr + (t * SPLITS + splits) * 2 * H + h
+    m = tl.load(stats)
+    weight = tl.exp(m - tl.max(m, axis=0))
+    total = tl.sum(weight * tl.load(stats + H), axis=0)
+    rows = (t * SPLITS + splits) * H + h
+    acc = tl.sum(weight[:, None] * tl.load(part_ptr + rows[:, None] * BLOCK_D + offs_d[None, :]), axis=0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, (acc / total).to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
 def tile_config(tokens: int, dim: int, dtype: torch.dtype, batch_invariant: bool) -> tuple[int, int, int, int]:
@@ -137,6 +175,15 @@ def tile_config(tokens: int, dim: int, dtype: torch.dtype, batch_invariant: bool
     return 16, block_n, 8 if tokens <= 16 else 4, 2
 
 
+def key_splits(programs: int, num_sms: int | None, batch_invariant: bool) -> int:
+    """Key splits for a step of `programs` (token, head block) programs: enough to cover the GPU once,
+    a power of two (the combining launch holds all splits of a head in one tile). Not in batch-invariant
+    mode (the split changes the softmax's summation order)."""
+    if batch_invariant or num_sms is None or programs >= num_sms:
+        return 1
+    return min(MAX_KEY_SPLITS, triton.next_power_of_2(-(-num_sms // programs)))
+
+
 def sparse_attention(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -148,9 +195,11 @@ def sparse_attention(
     ratio: int = 0,
     selected: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    num_sms: int | None = None,
 ) -> torch.Tensor:
     """`KernelOps.sparse_attention` (same contract); `selected` rows must not repeat an entry.
-    batch_invariant: window key blocks aligned to each query's position (FIXED_KEY_BLOCKS)."""
+    batch_invariant: window key blocks aligned to each query's position (FIXED_KEY_BLOCKS).
+    num_sms: the device's multiprocessors; given, a step with fewer programs splits its keys."""
     tokens, heads, dim = q.shape
     out = torch.empty_like(q)
     if tokens == 0:
@@ -163,9 +212,15 @@ def sparse_attention(
     entries_arg = entries if has_entries else kv
     selected_arg = selected if selected is not None else token_seq
     block_h, block_n, warps, stages = tile_config(tokens, dim, q.dtype, batch_invariant)
-    grid = (tokens, triton.cdiv(heads, block_h))
-    _sparse_attention_kernel[grid](
-        q, kv, window, sinks, entries_arg, selected_arg, out,
+    block_d = triton.next_power_of_2(dim)
+    head_blocks = triton.cdiv(heads, block_h)
+    splits = key_splits(tokens * head_blocks, num_sms, batch_invariant)
+    part, stats = out, out  # never read with one split
+    if splits > 1:
+        part = torch.empty((tokens, splits, heads, block_d), dtype=torch.float32, device=q.device)
+        stats = torch.empty((tokens, splits, 2, heads), dtype=torch.float32, device=q.device)
+    _sparse_attention_kernel[(tokens, head_blocks, splits)](
+        q, kv, window, sinks, entries_arg, selected_arg, out, part, stats,
         token_seq, batch.query_start_loc, batch.context_lens, batch.slot_ids, batch.block_tables, batch.positions,
         window_starts, heads, dim, window.shape[1], max(ratio, 1), entries.shape[1] if has_entries else 1,
         selected.shape[1] if selected is not None else 0, scale,
@@ -175,6 +230,10 @@ def sparse_attention(
         HAS_ENTRIES=has_entries, HAS_SELECTED=selected is not None, ROUND=q.dtype != torch.float32,
         IEEE=q.dtype == torch.float32, FIXED_KEY_BLOCKS=batch_invariant,
         HAS_WINDOW_STARTS=batch.window_starts_cpu is not None, BLOCK_H=block_h, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(dim), num_warps=warps, num_stages=stages,
+        BLOCK_D=block_d, SPLITS=splits, num_warps=warps, num_stages=stages,
     )
+    if splits > 1:
+        _combine_splits_kernel[(tokens, heads)](
+            part, stats, out, heads, dim, out.stride(0), out.stride(1), SPLITS=splits, BLOCK_D=block_d, num_warps=4,
+        )
     return out

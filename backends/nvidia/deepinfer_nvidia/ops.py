@@ -184,7 +184,9 @@ class TritonOps(KernelOps):
         ratio: int = 0,
         selected: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self._attention(q, kv, window, sinks, scale, batch, entries, ratio, selected, self.batch_invariant)
+        return self._attention(
+            q, kv, window, sinks, scale, batch, entries, ratio, selected, self.batch_invariant, self._num_sms(q.device)
+        )
 
     # The kernels below reduce each row (token) in an order fixed by the shapes of the model, not the batch.
     def hc_mix(
