@@ -11,16 +11,21 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["hc_collapse", "hc_head_weights", "hc_mix", "hc_update"]
+__all__ = ["hc_collapse", "hc_head_weights", "hc_mix", "hc_update", "tile_config"]
 
 
-# The K reduction is split into chunks reduced afterwards in chunk order. Prefill-sized steps and the
-# batch-invariant mode use _CHUNK columns (the same order for every batch); steps of up to
-# _SMALL_STEP rows use _SMALL_CHUNK, so that a decode step still spreads over the GPU (16 programs
-# for one row at V4-Flash width otherwise).
-_CHUNK = 1024
-_SMALL_CHUNK = 256
-_SMALL_STEP = 64
+def tile_config(tokens: int, batch_invariant: bool) -> tuple[int, int, int, int]:
+    """(CHUNK, BLOCK_K, BLOCK_T, warps) of the partial launch: the K reduction is split into CHUNK-column
+    chunks, reduced afterwards in a fixed order. Prefill-sized steps and the batch-invariant mode use
+    1024-column chunks (the same order for every batch); decode-sized steps 128-column ones, so that one
+    row still spreads over the GPU (16 programs at V4-Flash width otherwise). From
+    `scripts/tune_hc_tiles.py` on an H200 (BENCHMARKS.md): both launches at 1 / 64 rows 17.7 / 23.2 us
+    with 256-column chunks, 14.2 / 17.9 us with these."""
+    if batch_invariant:
+        return 1024, 64, 16, 4
+    if tokens <= 64:
+        return 128, 32, 16, 2
+    return 1024, 64, 64, 4
 
 
 @triton.jit
@@ -66,56 +71,62 @@ def _hc_mix_partial_kernel(
     tl.store(part_ptr + (chunk * T + rows.to(tl.int64)) * WIDTH + 2 * PN + NP * NP, squares, mask=row_ok)
 
 
+def _epilogue_warps(tile: int) -> int:
+    """Warps of the one-row epilogue over a `tile` of partial sums: one for a prefill-sized step's small
+    tile (more programs resident to hide the Sinkhorn's latency), up to four so that a decode-sized
+    step's tile of many chunks stays in registers."""
+    return max(1, min(4, tile // 1024))
+
+
+@triton.jit
+def _pick(sums, cols, wanted):
+    """sums[wanted] ([WIDTH_P2] -> [len(wanted)]) by a masked sum: registers cannot be sliced."""
+    return tl.sum(tl.where(cols[None, :] == wanted[:, None], sums[None, :], 0.0), axis=1)
+
+
 @triton.jit
 def _hc_mix_epilogue_kernel(
     part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, CHUNKS, norm_eps, hc_eps,
     N: tl.constexpr, NP: tl.constexpr, PN: tl.constexpr, WIDTH: tl.constexpr, ITERS: tl.constexpr,
-    BLOCK_T: tl.constexpr, PRE_ONLY: tl.constexpr,
+    PRE_ONLY: tl.constexpr, CHUNKS_P2: tl.constexpr, WIDTH_P2: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < T
+    # One row: all its chunks' partial sums in one load, reduced in one tree (the same for every row).
+    row = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, CHUNKS_P2)
+    cols = tl.arange(0, WIDTH_P2)
+    parts = tl.load(part_ptr + (chunks[:, None] * T + row) * WIDTH + cols[None, :],
+                    mask=(chunks[:, None] < CHUNKS) & (cols[None, :] < WIDTH), other=0.0)
+    sums = tl.sum(parts, axis=0)  # pre (PN) | post (PN) | comb (NP*NP) | sum x^2
     cols_pn = tl.arange(0, PN)
     cells = tl.arange(0, NP * NP)
     cell_r, cell_c = cells // NP, cells % NP
     cell_ok = (cell_r < N) & (cell_c < N)
-    squares = tl.zeros([BLOCK_T], dtype=tl.float32)
-    acc_pre = tl.zeros([BLOCK_T, PN], dtype=tl.float32)
-    acc_post = tl.zeros([BLOCK_T, PN], dtype=tl.float32)
-    acc_comb = tl.zeros([BLOCK_T, NP * NP], dtype=tl.float32)
-    for chunk in range(CHUNKS):
-        part = part_ptr + (chunk * T + rows.to(tl.int64))[:, None] * WIDTH
-        acc_pre += tl.load(part + cols_pn[None, :], mask=row_ok[:, None], other=0.0)
-        acc_post += tl.load(part + PN + cols_pn[None, :], mask=row_ok[:, None], other=0.0)
-        acc_comb += tl.load(part + 2 * PN + cells[None, :], mask=row_ok[:, None], other=0.0)
-        squares += tl.load(part_ptr + (chunk * T + rows.to(tl.int64)) * WIDTH + 2 * PN + NP * NP, mask=row_ok, other=0.0)
     # fn @ (x * r) == r * (fn @ x): the RMS factor is applied once, after the reduction.
-    r = tl.rsqrt(squares / K + norm_eps)[:, None]
+    r = tl.rsqrt(tl.sum(tl.where(cols == 2 * PN + NP * NP, sums, 0.0), axis=0) / K + norm_eps)
     pn_ok = cols_pn < N
-    out_ok = row_ok[:, None] & pn_ok[None, :]
-    pre = tl.sigmoid(acc_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + cols_pn, mask=pn_ok, other=0.0)[None, :])
-    tl.store(pre_ptr + rows[:, None] * N + cols_pn[None, :], pre + hc_eps, mask=out_ok)
+    pre = tl.sigmoid(_pick(sums, cols, cols_pn) * r * tl.load(scale_ptr) + tl.load(base_ptr + cols_pn, mask=pn_ok, other=0.0))
+    tl.store(pre_ptr + row * N + cols_pn, pre + hc_eps, mask=pn_ok)
     if PRE_ONLY:
         return
-    post = 2.0 * tl.sigmoid(acc_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + cols_pn, mask=pn_ok, other=0.0)[None, :])
-    tl.store(post_ptr + rows[:, None] * N + cols_pn[None, :], post, mask=out_ok)
-    s2 = tl.load(scale_ptr + 2)
-
-    logits = acc_comb * r * s2 + tl.load(base_ptr + 2 * N + cell_r * N + cell_c, mask=cell_ok, other=0.0)[None, :]
-    logits = tl.reshape(logits, [BLOCK_T, NP, NP])
-    r3 = tl.reshape(cell_r, [NP, NP])[None, :, :]
-    c3 = tl.reshape(cell_c, [NP, NP])[None, :, :]
-    ok3 = (r3 < N) & (c3 < N)
+    post = 2.0 * tl.sigmoid(_pick(sums, cols, PN + cols_pn) * r * tl.load(scale_ptr + 1)
+                            + tl.load(base_ptr + N + cols_pn, mask=pn_ok, other=0.0))
+    tl.store(post_ptr + row * N + cols_pn, post, mask=pn_ok)
+    logits = (_pick(sums, cols, 2 * PN + cells) * r * tl.load(scale_ptr + 2)
+              + tl.load(base_ptr + 2 * N + cell_r * N + cell_c, mask=cell_ok, other=0.0))
+    logits = tl.reshape(logits, [NP, NP])
+    r2 = tl.reshape(cell_r, [NP, NP])
+    c2 = tl.reshape(cell_c, [NP, NP])
+    ok2 = (r2 < N) & (c2 < N)
     # padded rows get finite logits (no NaN from an all -inf row); padded cells end at exactly 0
-    logits = tl.where(ok3, logits, tl.where(r3 < N, float("-inf"), 0.0))
-    logits = logits - tl.max(logits, axis=2)[:, :, None]
+    logits = tl.where(ok2, logits, tl.where(r2 < N, float("-inf"), 0.0))
+    logits = logits - tl.max(logits, axis=1)[:, None]
     e = tl.exp(logits)
-    comb = tl.where(ok3, e / tl.sum(e, axis=2)[:, :, None] + hc_eps, 0.0)
-    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    comb = tl.where(ok2, e / tl.sum(e, axis=1)[:, None] + hc_eps, 0.0)
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
     for _ in tl.static_range(ITERS - 1):
-        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    rows3 = tl.reshape(rows, [BLOCK_T, 1, 1])
-    tl.store(comb_ptr + rows3 * (N * N) + r3 * N + c3, comb, mask=(rows3 < T) & ok3)
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    tl.store(comb_ptr + row * (N * N) + r2 * N + c2, comb, mask=ok2)
 
 
 def hc_mix(
@@ -152,18 +163,19 @@ def _mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, batch_invar
     k = n * d
     np_, pn = max(4, triton.next_power_of_2(n)), max(16, triton.next_power_of_2(n))
     width = 2 * pn + np_ * np_ + 1
-    chunk = _SMALL_CHUNK if t <= _SMALL_STEP and not batch_invariant else _CHUNK
+    chunk, block_k, block_t, warps = tile_config(t, batch_invariant)
     chunks = triton.cdiv(k, chunk)
     parts = torch.empty(chunks, t, width, dtype=torch.float32, device=streams.device)
-    block_t = 16 if batch_invariant or t <= 64 else 64
     _hc_mix_partial_kernel[(triton.cdiv(t, block_t), chunks)](
         x, fn.float().contiguous(), parts, t, k,
-        N=n, NP=np_, PN=pn, WIDTH=width, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=64, PRECISION="tf32x3",
-        PRE_ONLY=pre_only, num_warps=4,
+        N=n, NP=np_, PN=pn, WIDTH=width, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k, PRECISION="tf32x3",
+        PRE_ONLY=pre_only, num_warps=warps,
     )
-    _hc_mix_epilogue_kernel[(triton.cdiv(t, 16),)](
+    chunks_p2, width_p2 = triton.next_power_of_2(chunks), triton.next_power_of_2(width)
+    _hc_mix_epilogue_kernel[(t,)](
         parts, base.float().contiguous(), scale.float().contiguous(), pre, post, comb, t, k, chunks,
-        norm_eps, hc_eps, N=n, NP=np_, PN=pn, WIDTH=width, ITERS=sinkhorn_iters, BLOCK_T=16, PRE_ONLY=pre_only,
+        norm_eps, hc_eps, N=n, NP=np_, PN=pn, WIDTH=width, ITERS=sinkhorn_iters, PRE_ONLY=pre_only,
+        CHUNKS_P2=chunks_p2, WIDTH_P2=width_p2, num_warps=_epilogue_warps(chunks_p2 * width_p2),
     )
     return pre, post, comb
 
