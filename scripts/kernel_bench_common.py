@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 __all__ = [
-    "Ceilings", "cell", "collect_rows", "finish_plot", "free_memory", "measure_ceilings", "poison_allocator",
-    "recorded", "sweep_ceilings", "time_ms", "write_table",
+    "Ceilings", "cell", "collect_rows", "finish_plot", "free_memory", "graph_time_ms", "measure_ceilings",
+    "poison_allocator", "recorded", "sweep_ceilings", "time_ms", "write_table",
 ]
 
 
@@ -48,6 +48,23 @@ def time_ms(fn: Callable[[], object], device: torch.device, rep_ms: int = 100) -
         fn()
         samples.append((time.perf_counter() - start) * 1e3)
     return statistics.median(samples)
+
+
+def graph_time_ms(fn: Callable[[], object], device: torch.device, calls: int = 20, rep_ms: int = 50) -> float:
+    """Median milliseconds per call of `calls` calls of fn captured in one CUDA graph: device time without
+    the host's launch overhead, as a captured decode step pays it (a decode-sized kernel takes less
+    time than its launches, so `time_ms` would time the host)."""
+    fn()  # compiles and allocates outside the capture
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_ms(graph.replay, device, rep_ms) / calls
 
 
 def measure_ceilings(device: torch.device, size: int = 8192, copy_bytes: int = 2 << 30) -> Ceilings:
@@ -112,11 +129,12 @@ def finish_plot(fig, ax, path, xlabel: str, ylabel: str, *, x_log_base: int | No
 
 def time_candidates(
     run: Callable[[], torch.Tensor], expected: torch.Tensor, candidates: Iterable[Any], apply: Callable[[Any], None],
-    device: torch.device, rep_ms: int = 50,
+    device: torch.device, rep_ms: int = 50, timer: Callable[..., float] = time_ms,
 ) -> list[tuple[float, Any, str]]:
     """(median ms, candidate, relative difference of run()'s output from `expected`) for each candidate
     put in place by apply(candidate) (a tile sweep patches the kernel module's tile function), fastest
-    first; a candidate that fails (e.g. does not compile) is a row with inf ms and the error's name.
+    first (timed by `timer`: `graph_time_ms` for decode-sized launches); a candidate that fails (e.g.
+    does not compile) is a row with inf ms and the error's name.
     The caller puts its default back."""
     results = []
     for candidate in candidates:
@@ -124,7 +142,7 @@ def time_candidates(
         try:
             got = run().float()
             diff = float((got - expected).norm() / expected.norm())
-            ms = time_ms(run, device, rep_ms=rep_ms)
+            ms = timer(run, device, rep_ms=rep_ms)
         except Exception as err:  # noqa: BLE001  (a candidate that does not compile is a row, not a stop)
             results.append((float("inf"), candidate, type(err).__name__))
             continue

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from bench_model import fresh_ops
-from kernel_bench_common import tiles_from, time_candidates, time_ms, write_table
+from kernel_bench_common import graph_time_ms, tiles_from, time_candidates, time_ms, write_table
 from kernel_cases import stacked_experts
 
 from deepinfer_kernels import fused_moe
@@ -26,6 +26,9 @@ from deepinfer_kernels import fused_moe
 CANDIDATES_M = (16, 64, 128)
 CANDIDATES_NK = ((64, 64), (128, 64), (64, 128), (128, 128), (256, 128))
 CANDIDATES_WARPS_STAGES = ((4, 3), (8, 3), (4, 4))
+# decode-sized launches (a few rows per expert): narrow column tiles give the weight stream more programs
+CANDIDATES_SMALL_NK = ((16, 128), (32, 128), (64, 128), (16, 256), (32, 256), (64, 64))
+CANDIDATES_SMALL_WARPS_STAGES = ((2, 3), (2, 4), (4, 3), (4, 4), (4, 5))
 
 
 def main() -> None:
@@ -56,12 +59,15 @@ def main() -> None:
 
             fused_moe.tile_config = default
             expected = run().float()
-            candidates = [(bm, bn, bk, warps, stages) for bm, (bn, bk), (warps, stages)
-                          in itertools.product(CANDIDATES_M, CANDIDATES_NK, CANDIDATES_WARPS_STAGES)
+            small = tokens * top_k < 1024
+            timer = graph_time_ms if small else time_ms  # decode sizes: device time, not the host's launches
+            grid = itertools.product((16,), CANDIDATES_SMALL_NK, CANDIDATES_SMALL_WARPS_STAGES) if small else \
+                itertools.product(CANDIDATES_M, CANDIDATES_NK, CANDIDATES_WARPS_STAGES)
+            candidates = [(bm, bn, bk, warps, stages) for bm, (bn, bk), (warps, stages) in grid
                           if not (ops.fp8_activations and bk != 128)]  # W8A8: a K tile is one weight block
-            results = time_candidates(run, expected, candidates, tiles_from(fused_moe), device)
+            results = time_candidates(run, expected, candidates, tiles_from(fused_moe), device, timer=timer)
             fused_moe.tile_config = default
-            default_ms = time_ms(run, device, rep_ms=50)
+            default_ms = timer(run, device, rep_ms=50)
             for ms, config, diff in results[:5]:
                 lines.append(f"| {fmt} | {tokens} | " + " | ".join(map(str, config))
                              + f" | {ms:.3f} | {flops / ms / 1e9:.0f} | {diff} |")

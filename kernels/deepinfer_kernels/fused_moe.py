@@ -163,13 +163,16 @@ def tile_config(pairs: int, fmt: int, batch_invariant: bool) -> tuple[int, int, 
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of both launches for `pairs` (token, expert) pairs.
 
     From `scripts/tune_moe_tiles.py` on an H200 (BENCHMARKS.md): tall tiles once experts get hundreds
-    of rows each, 16-row tiles while most experts get a few. Batch-invariant mode takes one
+    of rows each, 16-row tiles while most experts get a few; fp4 at one token 128 -> 103 us (both launches
+    and the plan, replayed from a graph) with 32-column tiles. Batch-invariant mode takes one
     configuration whatever the batch (a tile shape can change the MMA instructions, hence the order).
     """
     if batch_invariant:
         return (64, 64, 128, 4, 3) if fmt == 1 else (64, 64, 64, 4, 3)
     if pairs >= 8192:
         return {0: (128, 128, 64, 8, 3), 1: (128, 128, 128, 8, 3), 2: (128, 64, 64, 8, 3)}[fmt]
+    if fmt == 2 and pairs <= 16:  # a token or two: twice the programs, each decoding longer K tiles
+        return (16, 32, 256, 4, 3)
     return (16, 64, 128, 4, 3)
 
 
