@@ -190,5 +190,9 @@ def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
     if tiles > _ARRIVAL_COUNTERS:
         raise ValueError(f"a split-K launch of {tiles} output tiles exceeds the {_ARRIVAL_COUNTERS} arrival counters")
     if device not in _counters:
+        # Zeroed inside a graph capture, they would only be zeroed when that one graph replays.
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split-K arrival counters are allocated by a device's first split-K launch, "
+                               "which must not be inside a graph capture: run the step once before capturing it")
         _counters[device] = torch.zeros(_ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
     return _counters[device]
