@@ -53,17 +53,11 @@ def time_ms(fn: Callable[[], object], device: torch.device, rep_ms: int = 100) -
 def graph_time_ms(fn: Callable[[], object], device: torch.device, calls: int = 20, rep_ms: int = 50) -> float:
     """Median milliseconds per call of `calls` calls of fn captured in one CUDA graph: device time without
     the host's launch overhead, as a captured decode step pays it (a decode-sized kernel takes less
-    time than its launches, so `time_ms` would time the host)."""
-    fn()  # compiles and allocates outside the capture
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    time than its launches, so `time_ms` would time the host). Captured as the engine captures a step:
+    warmed up on a side stream first (`CudaMemoryManager.capture_graph`)."""
+    from deepinfer_nvidia.cuda_memory import CudaMemoryManager
+
+    graph = CudaMemoryManager(device).capture_graph(lambda: [fn() for _ in range(calls)])
     return time_ms(graph.replay, device, rep_ms) / calls
 
 

@@ -67,6 +67,7 @@ def _sparse_attention_kernel(
     first = split * BLOCK_N  # this split's first key block in every run, then every SPLITS-th
     stride = SPLITS * BLOCK_N
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
     seq = tl.load(token_seq_ptr + t)
@@ -76,8 +77,8 @@ def _sparse_attention_kernel(
     pos = tl.load(positions_ptr + t).to(tl.int32)
     kv_dtype = kv_ptr.dtype.element_ty
     q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=(offs_h[:, None] < H) & d_mask[None, :], other=0.0)
-    m_i = tl.load(sinks_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
+                mask=h_ok[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.load(sinks_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     l_i = tl.full((BLOCK_H,), 1.0, dtype=tl.float32)
     if split > 0:  # the sink counts once, in split 0; a finite floor keeps all-masked blocks NaN-free
         m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
@@ -132,7 +133,6 @@ def _sparse_attention_kernel(
                 k = tl.load(entries_ptr + block[:, None] * stride_eb + (w % per_block)[:, None] * stride_eo
                             + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0).to(kv_dtype)
                 m_i, l_i, acc = _attend(q, k, valid, m_i, l_i, acc, scale, ROUND, IEEE)
-    h_ok = offs_h < H
     if SPLITS == 1:
         out = acc / l_i[:, None]
         tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
