@@ -62,8 +62,10 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
              [("decode", 1, 1, 8192), ("decode", 64, 1, 8192), ("prefill", 1, 4096, 0)])
     for kind, seqs, q_len, ctx in steps:
         for layer, ratio in (("sliding", 0), ("csa", 4), ("hca", 8 if tiny else 128)):
-            yield Case(f"sparse_attention {layer} {kind} S={seqs} q={q_len} ctx={ctx}",
-                       partial(_attention, ops, reference, heads, dim, ring, seqs, q_len, ctx, layer, ratio, tiny))
+            for rotary in (False, True):  # rotary: V4's query norm and both rotations in the kernel
+                yield Case(f"{'rotary' if rotary else 'sparse'}_attention {layer} {kind} S={seqs} q={q_len} ctx={ctx}",
+                           partial(_attention, ops, reference, heads, dim, ring, seqs, q_len, ctx, layer, ratio, tiny,
+                                   rotary))
 
 
 def _rms_norm(ops, reference, shape, gen, device):
@@ -219,7 +221,7 @@ def attention_batch(seqs: int, q_len: int, ctx: int, block_size: int, device) ->
     return batch, seqs * per_seq
 
 
-def _attention(ops, reference, heads, dim, ring, seqs, q_len, ctx, layer, ratio, tiny, gen, device):
+def _attention(ops, reference, heads, dim, ring, seqs, q_len, ctx, layer, ratio, tiny, rotary, gen, device):
     block_size = 16 if tiny else 128
     batch, num_blocks = attention_batch(seqs, q_len, ctx, block_size, device)
     tokens = seqs * q_len
@@ -248,5 +250,10 @@ def _attention(ops, reference, heads, dim, ring, seqs, q_len, ctx, layer, ratio,
     attended = int(keys.sum())
     unique_keys = seqs * (min(ctx, ring) + q_len + ((ctx + q_len) // ratio if ratio else 0))
     nbytes = 2 * (2 * tokens * heads * dim + unique_keys * dim)
-    run: Callable = lambda o: o.sparse_attention(q, kv, window, sinks, dim**-0.5, batch, **kwargs)
+    if rotary:
+        rope_dim = dim // 8  # V4: the last 64 of 512 channels
+        inv_freq = 1.0 / (160000.0 ** (torch.arange(0, rope_dim, 2, device=device, dtype=torch.float32) / rope_dim))
+        run: Callable = lambda o: o.rotary_attention(q, kv, window, sinks, dim**-0.5, batch, inv_freq, 1e-6, **kwargs)
+    else:
+        run = lambda o: o.sparse_attention(q, kv, window, sinks, dim**-0.5, batch, **kwargs)
     return (lambda: run(ops), lambda: run(reference), 4 * heads * dim * attended, nbytes, ATTENTION_TOL, False)

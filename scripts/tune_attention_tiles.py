@@ -47,7 +47,8 @@ def main() -> None:
     for (kind, seqs, q_len, ctx), layer in itertools.product(steps, args.layers.split(",")):
         ratio = {"sliding": 0, "csa": 4, "hca": 128}[layer]
         gen = torch.Generator(device=device).manual_seed(0)
-        run, _, flops, _, _, _ = _attention(ops, None, 64, 512, 128, seqs, q_len, ctx, layer, ratio, False, gen, device)
+        run, _, flops, _, _, _ = _attention(ops, None, 64, 512, 128, seqs, q_len, ctx, layer, ratio, False, False,
+                                             gen, device)
         timer = graph_time_ms if kind == "decode" else time_ms  # decode: device time, not the host's launches
         sparse_attention.tile_config = default
         expected = run().float()

@@ -153,3 +153,45 @@ def test_split_keys_match_reference(layer, step):
     args = (q, kv, window, sinks, dim**-0.5, batch)
     out = sparse_attention(*args, **kwargs, num_sms=48)
     assert_matches(out, KernelOps().sparse_attention(*args, **kwargs), TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("q_norm", [False, True])
+@pytest.mark.parametrize("layer", ["sliding", "all_entries", "selected"])
+@pytest.mark.parametrize("step,num_sms", [("mixed", None), ("decode", None), ("decode", 48)])
+def test_rotary_attention_matches_reference(layer, step, num_sms, q_norm):
+    """The query's norm and rope in the kernel's load and the output's inverse rope in its store (or, with
+    split keys, in the combining launch) against the reference's norm, rope, attention and rope."""
+    heads, dim = 20, 48
+    gen = torch.Generator().manual_seed(11 * len(layer) + len(step) + q_norm)
+    batch = _batch(*STEPS[step], gen)
+    tokens = batch.num_tokens
+    q = (3 * torch.randn(tokens, heads, dim, generator=gen)).to(torch.bfloat16)
+    kv = torch.randn(tokens, dim, generator=gen).to(torch.bfloat16)
+    window = torch.randn(NUM_SLOTS, RING, dim, generator=gen).to(torch.bfloat16)
+    sinks = torch.randn(heads, generator=gen)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))  # the last 16 channels
+    kwargs = {}
+    if layer != "sliding":
+        kwargs = {"entries": torch.randn(NUM_BLOCKS, BLOCK_SIZE // RATIO, dim, generator=gen).to(torch.bfloat16),
+                  "ratio": RATIO}
+    if layer == "selected":
+        kwargs["selected"] = torch.cat([
+            torch.stack([_picks((ctx + n) // RATIO, 3, gen) for _ in range(n)])
+            for n, ctx in zip(batch.query_lens_cpu, batch.context_lens_cpu)
+        ])
+    eps = 1e-6 if q_norm else None
+    args = (q, kv, window, sinks, dim**-0.5, batch)
+    expected = KernelOps().rotary_attention(*args, inv_freq, eps, **kwargs)
+    out = sparse_attention(q.clone(), *args[1:], **kwargs, num_sms=num_sms, inv_freq=inv_freq, q_norm_eps=eps)
+    assert_matches(out, expected, TOLERANCE[torch.bfloat16])
+    plain = KernelOps().sparse_attention(*args, **kwargs)
+    assert (plain - expected).norm() > 0.1 * expected.norm()  # the rotations and the norm matter here
+
+
+def test_rotary_attention_refuses_an_odd_head_dim():
+    gen = torch.Generator().manual_seed(0)
+    batch = _batch([2], [0], gen)
+    q = torch.randn(2, 2, 7, generator=gen)
+    with pytest.raises(ValueError, match="even head dim"):
+        sparse_attention(q, q[:, 0], torch.zeros(NUM_SLOTS, RING, 7), torch.zeros(2), 1.0, batch,
+                         inv_freq=torch.ones(2))

@@ -370,6 +370,33 @@ class KernelOps:
             out[rows] = torch.einsum("hqk,kd->qhd", probs, keys).to(q.dtype)
         return out
 
+    def rotary_attention(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        window: torch.Tensor,
+        sinks: torch.Tensor,
+        scale: float,
+        batch: ForwardBatch,
+        inv_freq: torch.Tensor,
+        q_norm_eps: float | None = None,
+        entries: torch.Tensor | None = None,
+        ratio: int = 0,
+        selected: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`sparse_attention` with what a block does around it: each query head of q [T, H, d] (as
+        projected; given up, a backend may overwrite it) is RMS-normalised without a weight when
+        `q_norm_eps` is given (V4), then rotated at batch.positions (`rope` with `inv_freq`); the output
+        is de-rotated at the same positions. Composed of those three ops here, each rounding to q.dtype;
+        one op so that a backend can do the norm and both rotations in its attention kernel (q and the
+        output then take no pass of their own). Tolerance: as sparse_attention.
+        """
+        if q_norm_eps is not None:
+            q = self.rms_norm(q, None, q_norm_eps)
+        q = self.rope(q, batch.positions, inv_freq, inplace=True)
+        out = self.sparse_attention(q, kv, window, sinks, scale, batch, entries, ratio, selected)
+        return self.rope(out, batch.positions, inv_freq, inverse=True, inplace=True)
+
     def store_window(self, kv: torch.Tensor, window: torch.Tensor, batch: ForwardBatch) -> None:
         """Write this step's K=V vectors into the sliding-window ring.
 

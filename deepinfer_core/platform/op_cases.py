@@ -157,6 +157,15 @@ def _bounded_replay_attention_inputs(gen, dt):
     return (*args[:5], replace(batch, window_starts_cpu=starts)), kwargs
 
 
+def _rotary_attention_inputs(gen, dt, ratio, with_selection, q_norm):
+    """`_attention_inputs` with an inv_freq for the last 8 of 32 channels and, for V4's layers, the
+    query heads' norm; q is scaled off unit RMS so that the norm matters."""
+    (q, *rest), kwargs = _attention_inputs(gen, dt, ratio, with_selection)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    args = (3 * q, *rest, inv_freq)
+    return args, {**kwargs, "q_norm_eps": 1e-6 if q_norm else None}
+
+
 def _gather_rows_inputs(gen, dt, width):
     if dt == torch.float8_e8m0fnu:
         table = torch.randint(100, 150, (300, width), generator=gen, dtype=torch.uint8).view(dt)
@@ -320,6 +329,21 @@ OP_CASES: list[OpCase] = [
     ),
     OpCase("sparse_attention", "bounded_replay_window_starts", _bounded_replay_attention_inputs,
            rtol=_WIDE_RTOL, atol=_WIDE_ATOL),
+    OpCase(
+        "rotary_attention", "sliding_normed_queries",
+        lambda g, dt: _rotary_attention_inputs(g, dt, 0, False, True), rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
+        given_up=(0,),
+    ),
+    OpCase(
+        "rotary_attention", "csa_selected_normed_queries",
+        lambda g, dt: _rotary_attention_inputs(g, dt, 4, True, True), rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
+        given_up=(0,),
+    ),
+    OpCase(
+        "rotary_attention", "hca",
+        lambda g, dt: _rotary_attention_inputs(g, dt, 8, False, False), rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
+        given_up=(0,),
+    ),
     OpCase("store_window", "mixed_step", _store_window_inputs),
     OpCase(
         "route", "score", lambda g, dt: _route_inputs(g, dt, False),

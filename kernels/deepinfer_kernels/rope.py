@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rope", "rope_supported"]
+__all__ = ["rope", "rope_supported", "rotate_tile"]
 
 # Rows per program: one head's 32 rotated pairs alone are too little work for a program.
 ROWS = 16
@@ -45,6 +45,29 @@ def _rope_kernel(
     b = tl.load(x_ptr + even + 1, mask=live[:, None]).to(tl.float32)
     tl.store(out_ptr + even, (a * cos - b * sin).to(dtype), mask=live[:, None])
     tl.store(out_ptr + even + 1, (b * cos + a * sin).to(dtype), mask=live[:, None])
+
+
+@triton.jit
+def rotate_tile(x, position, freq_ptr, D, HALF, SIGN: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The rope of one token's rows held in registers: x [ROWS, BLOCK_D] (columns past D unused) with
+    channels D - 2*HALF .. D - 1 rotated at `position` in interleaved pairs, rounded as `_rope_kernel`
+    rounds, in x's dtype. For kernels that rotate what they load or store (the attention's query and
+    output) instead of a pass of their own over it."""
+    rows: tl.constexpr = x.shape[0]
+    dtype = x.dtype
+    a, b = tl.split(tl.reshape(x, [rows, BLOCK_D // 2, 2]))
+    pair = tl.arange(0, BLOCK_D // 2)
+    first = (D - 2 * HALF) // 2
+    rotated = (pair >= first) & (pair < D // 2)
+    # volatile: a kernel that rotates on load and again on store would otherwise share one cos / sin
+    # between the two, keeping them live (in registers) across everything in between
+    angle = position.to(tl.float32) * tl.load(freq_ptr + pair - first, mask=rotated, other=0.0, volatile=True)
+    cos = tl.cos(angle).to(dtype).to(tl.float32)[None, :]
+    sin = SIGN * tl.sin(angle).to(dtype).to(tl.float32)[None, :]
+    a32, b32 = a.to(tl.float32), b.to(tl.float32)
+    a = tl.where(rotated[None, :], (a32 * cos - b32 * sin).to(dtype), a)
+    b = tl.where(rotated[None, :], (b32 * cos + a32 * sin).to(dtype), b)
+    return tl.reshape(tl.join(a, b), [rows, BLOCK_D])
 
 
 def rope(

@@ -10,6 +10,10 @@ With FIXED_KEY_BLOCKS (batch-invariant mode) the window keys are one run in bloc
 query's position, each key read from the ring or from this step's rows: the online softmax then
 meets the same key blocks however the sequence was split into chunks.
 
+With ROTARY the kernel also does what the block does around it (`KernelOps.rotary_attention`): it
+normalises (Q_NORM) and rotates each query head as it loads it, and de-rotates the output as it stores it,
+so q and the output each take no pass of their own.
+
 A decode step has too few (token, head block) programs to fill the GPU, so its keys are split
 (flash-decoding): split s takes key blocks s, s + SPLITS, ... of every run and writes its running
 max, sum and unnormalised output; a second launch combines a head's splits in one fixed-order reduction.
@@ -22,6 +26,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_kernels.rope import rotate_tile
 
 __all__ = ["key_splits", "sparse_attention", "tile_config"]
 
@@ -55,12 +60,12 @@ def _attend(q, k, valid, m_i, l_i, acc, scale, ROUND: tl.constexpr, IEEE: tl.con
 def _sparse_attention_kernel(
     q_ptr, kv_ptr, window_ptr, sinks_ptr, entries_ptr, selected_ptr, out_ptr, part_ptr, stats_ptr,
     token_seq_ptr, query_start_ptr, context_lens_ptr, slot_ids_ptr, block_tables_ptr, positions_ptr, window_starts_ptr,
-    H, D, RING, ratio, per_block, top_k, scale,
+    freq_ptr, H, D, RING, ratio, per_block, top_k, scale, rope_half, q_eps,
     stride_qt, stride_qh, stride_kv, stride_ws, stride_wp, stride_eb, stride_eo, stride_sel, stride_bt,
     stride_ot, stride_oh,
     HAS_ENTRIES: tl.constexpr, HAS_SELECTED: tl.constexpr, ROUND: tl.constexpr, IEEE: tl.constexpr,
     FIXED_KEY_BLOCKS: tl.constexpr, HAS_WINDOW_STARTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLITS: tl.constexpr, ROTARY: tl.constexpr, Q_NORM: tl.constexpr,
 ):
     t = tl.program_id(0)
     split = tl.program_id(2)
@@ -78,6 +83,19 @@ def _sparse_attention_kernel(
     kv_dtype = kv_ptr.dtype.element_ty
     q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None] & d_mask[None, :], other=0.0)
+    if Q_NORM:  # as rms_norm without a weight: float32, rounded to q's dtype
+        q32 = q.to(tl.float32)
+        q = (q32 * tl.rsqrt(tl.sum(q32 * q32, axis=1) / D + q_eps)[:, None]).to(q.dtype)
+    if ROTARY:
+        q = rotate_tile(q, pos, freq_ptr, D, rope_half, 1.0, BLOCK_D)
+    if Q_NORM or ROTARY:
+        # Staged through this program's rows of the output (a split writes the same values): read back from
+        # memory, q feeds the tensor cores from shared memory; computed in registers, it would stay there,
+        # a copy live through every key block (spills at 64 heads a program).
+        q_rows = out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
+        tl.store(q_rows, q, mask=h_ok[:, None] & d_mask[None, :])
+        tl.debug_barrier()
+        q = tl.load(q_rows, mask=h_ok[:, None] & d_mask[None, :], other=0.0)
     m_i = tl.load(sinks_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     l_i = tl.full((BLOCK_H,), 1.0, dtype=tl.float32)
     if split > 0:  # the sink counts once, in split 0; a finite floor keeps all-masked blocks NaN-free
@@ -134,9 +152,11 @@ def _sparse_attention_kernel(
                             + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0).to(kv_dtype)
                 m_i, l_i, acc = _attend(q, k, valid, m_i, l_i, acc, scale, ROUND, IEEE)
     if SPLITS == 1:
-        out = acc / l_i[:, None]
+        out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
+        if ROTARY:
+            out = rotate_tile(out, pos, freq_ptr, D, rope_half, -1.0, BLOCK_D)
         tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_mask[None, :])
+                 out, mask=h_ok[:, None] & d_mask[None, :])
     else:  # [T, SPLITS, H, BLOCK_D] unnormalised outputs, [T, SPLITS, 2, H] running maxima and sums
         row = (t.to(tl.int64) * SPLITS + split) * H + offs_h
         tl.store(part_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=h_ok[:, None])
@@ -147,7 +167,8 @@ def _sparse_attention_kernel(
 
 @triton.jit
 def _combine_splits_kernel(
-    part_ptr, stats_ptr, out_ptr, H, D, stride_ot, stride_oh, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_ptr, stats_ptr, out_ptr, positions_ptr, freq_ptr, H, D, rope_half, stride_ot, stride_oh,
+    SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -159,7 +180,11 @@ def _combine_splits_kernel(
     total = tl.sum(weight * tl.load(stats + H), axis=0)
     rows = (t * SPLITS + splits) * H + h
     acc = tl.sum(weight[:, None] * tl.load(part_ptr + rows[:, None] * BLOCK_D + offs_d[None, :]), axis=0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, (acc / total).to(out_ptr.dtype.element_ty), mask=offs_d < D)
+    out = (acc / total).to(out_ptr.dtype.element_ty)
+    if ROTARY:
+        out = tl.reshape(rotate_tile(tl.reshape(out, [1, BLOCK_D]), tl.load(positions_ptr + t), freq_ptr, D,
+                                     rope_half, -1.0, BLOCK_D), [BLOCK_D])
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out, mask=offs_d < D)
 
 
 def tile_config(tokens: int, dim: int, dtype: torch.dtype, batch_invariant: bool) -> tuple[int, int, int, int]:
@@ -196,11 +221,17 @@ def sparse_attention(
     selected: torch.Tensor | None = None,
     batch_invariant: bool = False,
     num_sms: int | None = None,
+    inv_freq: torch.Tensor | None = None,
+    q_norm_eps: float | None = None,
 ) -> torch.Tensor:
     """`KernelOps.sparse_attention` (same contract); `selected` rows must not repeat an entry.
     batch_invariant: window key blocks aligned to each query's position (FIXED_KEY_BLOCKS).
-    num_sms: the device's multiprocessors; given, a step with fewer programs splits its keys."""
+    num_sms: the device's multiprocessors; given, a step with fewer programs splits its keys.
+    inv_freq, q_norm_eps: `KernelOps.rotary_attention` instead (q normalised when q_norm_eps is given,
+    rotated with inv_freq at batch.positions, the output de-rotated); the head dim must be even."""
     tokens, heads, dim = q.shape
+    if inv_freq is not None and (dim % 2 or 2 * inv_freq.shape[0] > dim):
+        raise ValueError(f"rotary attention needs an even head dim of at least {2 * inv_freq.shape[0]}, not {dim}")
     out = torch.empty_like(q)
     if tokens == 0:
         return out
@@ -219,21 +250,26 @@ def sparse_attention(
     if splits > 1:
         part = torch.empty((tokens, splits, heads, block_d), dtype=torch.float32, device=q.device)
         stats = torch.empty((tokens, splits, 2, heads), dtype=torch.float32, device=q.device)
+    rotary = inv_freq is not None
+    freq = inv_freq.float().contiguous() if rotary else sinks
+    rope_half = inv_freq.shape[0] if rotary else 0
     _sparse_attention_kernel[(tokens, head_blocks, splits)](
         q, kv, window, sinks, entries_arg, selected_arg, out, part, stats,
         token_seq, batch.query_start_loc, batch.context_lens, batch.slot_ids, batch.block_tables, batch.positions,
-        window_starts, heads, dim, window.shape[1], max(ratio, 1), entries.shape[1] if has_entries else 1,
-        selected.shape[1] if selected is not None else 0, scale,
+        window_starts, freq, heads, dim, window.shape[1], max(ratio, 1), entries.shape[1] if has_entries else 1,
+        selected.shape[1] if selected is not None else 0, scale, rope_half, q_norm_eps or 0.0,
         q.stride(0), q.stride(1), kv.stride(0), window.stride(0), window.stride(1),
         entries_arg.stride(0), entries_arg.stride(1) if has_entries else 0,
         selected_arg.stride(0), batch.block_tables.stride(0), out.stride(0), out.stride(1),
         HAS_ENTRIES=has_entries, HAS_SELECTED=selected is not None, ROUND=q.dtype != torch.float32,
         IEEE=q.dtype == torch.float32, FIXED_KEY_BLOCKS=batch_invariant,
         HAS_WINDOW_STARTS=batch.window_starts_cpu is not None, BLOCK_H=block_h, BLOCK_N=block_n,
-        BLOCK_D=block_d, SPLITS=splits, num_warps=warps, num_stages=stages,
+        BLOCK_D=block_d, SPLITS=splits, ROTARY=rotary, Q_NORM=q_norm_eps is not None, num_warps=warps,
+        num_stages=stages,
     )
     if splits > 1:
         _combine_splits_kernel[(tokens, heads)](
-            part, stats, out, heads, dim, out.stride(0), out.stride(1), SPLITS=splits, BLOCK_D=block_d, num_warps=4,
+            part, stats, out, batch.positions, freq, heads, dim, rope_half, out.stride(0), out.stride(1),
+            SPLITS=splits, BLOCK_D=block_d, ROTARY=rotary, num_warps=4,
         )
     return out

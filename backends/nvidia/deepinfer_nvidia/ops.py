@@ -188,6 +188,29 @@ class TritonOps(KernelOps):
             q, kv, window, sinks, scale, batch, entries, ratio, selected, self.batch_invariant, self._num_sms(q.device)
         )
 
+    def rotary_attention(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        window: torch.Tensor,
+        sinks: torch.Tensor,
+        scale: float,
+        batch: ForwardBatch,
+        inv_freq: torch.Tensor,
+        q_norm_eps: float | None = None,
+        entries: torch.Tensor | None = None,
+        ratio: int = 0,
+        selected: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # Fallback: an odd head dim (the kernel rotates whole channel pairs).
+        if q.shape[-1] % 2:
+            return super().rotary_attention(q, kv, window, sinks, scale, batch, inv_freq, q_norm_eps, entries, ratio,
+                                            selected)
+        return self._attention(
+            q, kv, window, sinks, scale, batch, entries, ratio, selected, self.batch_invariant,
+            self._num_sms(q.device), inv_freq, q_norm_eps,
+        )
+
     # The kernels below reduce each row (token) in an order fixed by the shapes of the model, not the batch.
     def hc_mix(
         self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,

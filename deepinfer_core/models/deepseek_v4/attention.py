@@ -47,8 +47,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
         ops, pos = self.ops, batch.positions
         q_latent = self.q_norm(self.wq_a(x))
-        q = ops.rms_norm(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), None, self.eps)
-        q = ops.rope(q, pos, self.inv_freq, inplace=True)
+        q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)  # normalised and rotated by the attention
         kv = ops.rope(self.kv_norm(self.wkv(x)), pos, self.inv_freq, inplace=True)
         projections = [p for pool in self.pools for p in pool.project(x)]
         # Every row of the step reaches the cache; this process's queries (`batch`) read it.
@@ -61,12 +60,11 @@ class Attention(nn.Module):
         selected = None
         if self.indexer is not None:
             selected = self.indexer(x, q_latent, self.inv_freq, batch, cache.indexer)
-        out = ops.sparse_attention(
-            q, kv, cache.window, self.attn_sink, self.head_dim**-0.5, batch,
+        out = ops.rotary_attention(
+            q, kv, cache.window, self.attn_sink, self.head_dim**-0.5, batch, self.inv_freq, q_norm_eps=self.eps,
             entries=entries, ratio=self.ratio, selected=selected,
         )
         ops.store_window(step_kv, cache.window, step)
-        out = ops.rope(out, pos, self.inv_freq, inverse=True, inplace=True)
         groups = out.view(out.shape[0], self.o_groups, -1)
         grouped = ops.grouped_linear(groups, self.wo_a.weight, self.wo_a.scale, self.wo_a.block)
         return self.wo_b(grouped.flatten(1))

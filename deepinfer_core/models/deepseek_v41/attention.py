@@ -70,7 +70,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         ops, pos = self.ops, batch.positions
         q_latent = self.q_norm(self.wq_a(x))
-        q = ops.rope(self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim), pos, self.inv_freq)
+        q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)  # rotated by the attention
         kv = self.kv.window(ops.rope(self.kv_norm(self.wkv(x)), pos, self.inv_freq))
         if self.compressor is not None:
             state.band = BandState(self.layer, cache.bands[self.layer])
@@ -86,12 +86,11 @@ class Attention(nn.Module):
         entries = None
         if attend:
             entries = band.cache.entries.read(ops, (batch.block_tables.clamp(min=0).to(torch.long),)).flatten(0, 1)
-        out = ops.sparse_attention(
-            q, kv, ring, self.attn_sink, self.head_dim**-0.5, state.local,
+        out = ops.rotary_attention(
+            q, kv, ring, self.attn_sink, self.head_dim**-0.5, state.local, self.inv_freq,
             entries=entries, ratio=self.ratio, selected=band.selected if attend else None,
         )
         store_in_ring(self.ops, kv, batch, window)
-        out = ops.rope(out, pos, self.inv_freq, inverse=True)
         grouped = ops.grouped_linear(out.view(out.shape[0], self.o_groups, -1), self.wo_a.weight, self.wo_a.scale,
                                      self.wo_a.block)
         return self.wo_b(grouped.flatten(1))
