@@ -62,8 +62,11 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
              [("decode", 1, 1, 8192), ("decode", 64, 1, 8192), ("prefill", 1, 4096, 0)])
     for kind, seqs, q_len, ctx in steps:
         for layer, ratio in (("sliding", 0), ("csa", 4), ("hca", 8 if tiny else 128)):
-            for rotary in (False, True):  # rotary: V4's query norm and both rotations in the kernel
-                yield Case(f"{'rotary' if rotary else 'sparse'}_attention {layer} {kind} S={seqs} q={q_len} ctx={ctx}",
+            # rotary: V4's query norm and both rotations in the kernel ("fused"), or as the base class composes
+            # them from the backend's rms_norm, rope and sparse_attention ("composed": what fusing saves)
+            for rotary in ("", "fused", "composed"):
+                op = f"rotary_attention ({rotary})" if rotary else "sparse_attention"
+                yield Case(f"{op} {layer} {kind} S={seqs} q={q_len} ctx={ctx}",
                            partial(_attention, ops, reference, heads, dim, ring, seqs, q_len, ctx, layer, ratio, tiny,
                                    rotary))
 
@@ -253,7 +256,10 @@ def _attention(ops, reference, heads, dim, ring, seqs, q_len, ctx, layer, ratio,
     if rotary:
         rope_dim = dim // 8  # V4: the last 64 of 512 channels
         inv_freq = 1.0 / (160000.0 ** (torch.arange(0, rope_dim, 2, device=device, dtype=torch.float32) / rope_dim))
-        run: Callable = lambda o: o.rotary_attention(q, kv, window, sinks, dim**-0.5, batch, inv_freq, 1e-6, **kwargs)
+        def run(o):
+            op = partial(KernelOps.rotary_attention, o) if rotary == "composed" else o.rotary_attention
+            return op(q, kv, window, sinks, dim**-0.5, batch, inv_freq, 1e-6, **kwargs)
     else:
-        run = lambda o: o.sparse_attention(q, kv, window, sinks, dim**-0.5, batch, **kwargs)
+        def run(o):
+            return o.sparse_attention(q, kv, window, sinks, dim**-0.5, batch, **kwargs)
     return (lambda: run(ops), lambda: run(reference), 4 * heads * dim * attended, nbytes, ATTENTION_TOL, False)
