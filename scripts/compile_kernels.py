@@ -1,79 +1,150 @@
-"""Compile every Triton kernel of `deepinfer_kernels` for sm_90 and sm_100 without a GPU (ptxas ships
-with triton), at the block shapes the ops launch, and report shared memory, whether the matrix products
-became wgmma (Hopper) and whether anything spilled to local memory. Proves the SM100 path compiles.
+"""Compile the heaviest Triton kernels of `deepinfer_kernels` for sm_90 and sm_100 without a GPU (ptxas and
+nvdisasm ship with triton), at the block shapes the ops launch, and report per kernel: shared memory,
+registers and spills (ptxas -v), the matrix instructions in the machine code (HGMMA / QGMMA are Hopper's
+bf16 / fp8 wgmma, HMMA the older mma.sync, UTC*MMA SM100's tcgen05), and the spill loads and stores inside
+the loops that issue them (the K or key-block loops: a spill there costs every iteration, elsewhere once).
+Proves the SM100 path compiles; tells, before any GPU time is spent, whether a change spilled.
 
-python3 scripts/compile_kernels.py        (exit status 1 if any kernel fails to compile)
+Integer arguments and pointers are declared 16-divisible, as the JIT specialises them at the real shapes
+(without that, no load is vectorised and the report describes another kernel).
+
+python3 scripts/compile_kernels.py [--only NAME]     (exit status 1 if any kernel fails to compile)
 """
 
 from __future__ import annotations
 
+import argparse
 import re
+import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "kernels")]
+sys.path[:0] = [str(REPO), str(REPO / "kernels")]
 
+import torch  # noqa: E402
+import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler import compile as triton_compile  # noqa: E402
 
-from deepinfer_kernels import fused_moe, linear, rms_norm, sparse_attention  # noqa: E402
+from deepinfer_kernels import fused_moe, linear, sparse_attention  # noqa: E402
 
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 WEIGHT_TYPES = {0: "*bf16", 1: "*fp8e4nv", 2: "*u8"}
+FLOAT_SCALARS = {"scale", "q_eps", "eps", "limit"}
+NOT_DIVISIBLE = {"ratio", "TOP_K", "SPLITS"}  # small or odd at the real shapes
 
 
-def _variants():
-    yield "rms_norm", rms_norm._rms_norm_kernel, dict(
-        x_ptr="*bf16", w_ptr="*fp32", y_ptr="*bf16", stride_x="i32", stride_y="i32", D="i32", eps="fp32",
-    ), dict(HAS_WEIGHT=True, BLOCK=4096), 8
-    for fmt, wt in WEIGHT_TYPES.items():
+def _types(fn, pointers: dict[str, str], default_pointer: str = "*bf16") -> dict[str, str]:
+    """Each argument's type: pointers from `pointers` (else the default), floats by name, else i32."""
+    types = {}
+    for name in fn.arg_names:
+        if name.endswith("_ptr"):
+            types[name] = pointers.get(name, default_pointer)
+        else:
+            types[name] = "fp32" if name in FLOAT_SCALARS else "i32"
+    return types
+
+
+def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
+    """(name, kernel, argument types, constexprs, warps, stages) at the ops' prefill tiles."""
+    for fmt, weight in WEIGHT_TYPES.items():
         scale = dict(FORMAT=fmt, SCALE_BN=128 if fmt == 1 else 1, SCALE_BK=128 if fmt == 1 else 1, IEEE=False)
-        block_k = 128 if fmt == 1 else 64
-        yield f"linear[{wt[1:]}]", linear._linear_kernel, dict(
-            x_ptr="*bf16", w_ptr=wt, s_ptr="*u8", y_ptr="*bf16", M="i32", N="i32", K="i32",
-            stride_xm="i32", stride_wn="i32", stride_sn="i32", stride_ym="i32",
-        ), dict(scale, BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k), 8
-        moe_blocks = dict(scale, BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k)
-        yield f"moe_gate_up[{wt[1:]}]", fused_moe._gate_up_kernel, dict(
-            x_ptr="*bf16", w1_ptr=wt, w3_ptr=wt, s1_ptr="*u8", s3_ptr="*u8", act_ptr="*bf16", row_entry_ptr="*i32",
-            block_expert_ptr="*i32", N="i32", K="i32", TOP_K="i32", NUM_HELD="i32", limit="fp32", stride_xm="i32",
-            stride_we="i64", stride_wn="i32", stride_se="i32", stride_sn="i32", stride_am="i32",
-        ), moe_blocks, 4
-        yield f"moe_down[{wt[1:]}]", fused_moe._down_kernel, dict(
-            act_ptr="*bf16", w2_ptr=wt, s2_ptr="*u8", y_ptr="*bf16", route_w_ptr="*fp32", row_entry_ptr="*i32",
-            block_expert_ptr="*i32", N="i32", K="i32", NUM_HELD="i32", stride_am="i32", stride_we="i64",
-            stride_wn="i32", stride_se="i32", stride_sn="i32", stride_ym="i32",
-        ), moe_blocks, 4
-    names = ("q_ptr kv_ptr window_ptr sinks_ptr entries_ptr selected_ptr out_ptr token_seq_ptr query_start_ptr "
-             "context_lens_ptr slot_ids_ptr block_tables_ptr positions_ptr").split()
-    types = dict(zip(names, "*bf16 *bf16 *bf16 *fp32 *bf16 *i64 *bf16 *i32 *i32 *i32 *i32 *i32 *i64".split()))
-    types.update({n: "i32" for n in "H D RING ratio per_block top_k".split()}, scale="fp32")
-    types.update({n: "i32" for n in sparse_attention._sparse_attention_kernel.arg_names if n.startswith("stride_")})
-    for layer, entries, selected in (("sliding", False, False), ("hca", True, False), ("csa", True, True)):
-        yield f"sparse_attention[{layer}]", sparse_attention._sparse_attention_kernel, types, dict(
-            HAS_ENTRIES=entries, HAS_SELECTED=selected, ROUND=True, IEEE=False, BLOCK_H=16, BLOCK_N=32, BLOCK_D=512,
-        ), 4
+        a8 = fmt == 1
+        block_m, block_n, block_k, warps, stages = fused_moe.tile_config(8192, fmt, False)
+        byte_scales = {n: "*u8" for n in ("s_ptr", "s1_ptr", "s3_ptr", "ss1_ptr", "ss3_ptr", "s2_ptr", "ss2_ptr")}
+        activations = "*fp8e4nv" if a8 else "*bf16"
+        yield f"linear[{weight[1:]}{'-a8' if a8 else ''}]", linear._linear_kernel, _types(linear._linear_kernel, {
+            "x_ptr": activations, "xs_ptr": "*fp32", "w_ptr": weight, "part_ptr": "*fp32", "counter_ptr": "*i32",
+            **byte_scales}), dict(scale, A8=a8, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128 if fmt == 1 else 64), 8, 3
+        moe = dict(scale, A8=a8, SHARED=fmt != 2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        moe_pointers = {"x_ptr": activations, "act_ptr": "*bf16", "xs_ptr": "*fp32", "as_ptr": "*fp32",
+                        "row_entry_ptr": "*i32", "block_expert_ptr": "*i32", "route_w_ptr": "*fp32", **byte_scales}
+        moe_pointers.update({n: weight for n in ("w1_ptr", "w3_ptr", "sw1_ptr", "sw3_ptr", "w2_ptr", "sw2_ptr")})
+        yield f"moe_gate_up[{weight[1:]}]", fused_moe._gate_up_kernel, _types(fused_moe._gate_up_kernel, moe_pointers), \
+            moe, warps, stages
+        down = dict(moe_pointers, act_ptr=activations)
+        yield f"moe_down[{weight[1:]}]", fused_moe._down_kernel, _types(fused_moe._down_kernel, down), moe, warps, stages
+    kernel = sparse_attention._sparse_attention_kernel
+    attention_pointers = {"sinks_ptr": "*fp32", "part_ptr": "*fp32", "stats_ptr": "*fp32", "freq_ptr": "*fp32",
+                          **{n: "*i32" for n in ("selected_ptr", "token_seq_ptr", "query_start_ptr", "context_lens_ptr",
+                                                 "slot_ids_ptr", "block_tables_ptr", "positions_ptr",
+                                                 "window_starts_ptr")}}
+    for tokens in (8192, 64):
+        block_h, block_n, warps, stages = sparse_attention.tile_config(tokens, 512, torch.bfloat16, False)
+        for layer, entries, selected in (("sliding", False, False), ("hca", True, False), ("csa", True, True)):
+            for rotary in (False, True):
+                yield (f"{'rotary' if rotary else 'sparse'}_attention[{layer}, {tokens} tokens]", kernel,
+                       _types(kernel, attention_pointers), dict(
+                           HAS_ENTRIES=entries, HAS_SELECTED=selected, ROUND=True, IEEE=False, FIXED_KEY_BLOCKS=False,
+                           HAS_WINDOW_STARTS=False, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=512, SPLITS=1,
+                           ROTARY=rotary, Q_NORM=rotary), warps, stages)
+
+
+MMA = r"\b(HGMMA|QGMMA|HMMA|UTC\w*MMA)\b"
+
+
+def _loop_spills(sass: str) -> int:
+    """Spill loads and stores (LDL / STL) in loops (a backward branch back to its target) that issue matrix
+    instructions; other loops (e.g. the slow path of sin / cos for huge angles) run rarely."""
+    instructions, labels = [], {}
+    for line in sass.splitlines():
+        if label := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[label.group(1)] = len(instructions)
+        elif op := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
+            instructions.append(op.group(1))
+    spills = 0
+    for i, text in enumerate(instructions):
+        branch = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text)
+        if branch and labels.get(branch.group(1), i + 1) <= i:
+            body = instructions[labels[branch.group(1)]:i + 1]
+            if any(re.search(MMA, t) for t in body):
+                spills += sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in body)
+    return spills
+
+
+def _compile(fn, types, consts, warps, stages, capability) -> str:
+    signature = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
+    divisible = [n for n in fn.arg_names if n not in consts and n not in NOT_DIVISIBLE and types[n] != "fp32"]
+    source = ASTSource(fn=fn, signature=signature,
+                       constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                       attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    kernel = triton_compile(source, target=GPUTarget("cuda", capability, 32),
+                            options={"num_warps": warps, "num_stages": stages})
+    arch = "sm_90a" if capability == 90 else "sm_100a"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx.write_text(kernel.asm["ptx"])
+        ptxas = BIN / ("ptxas" if capability == 90 else "ptxas-blackwell")
+        report = subprocess.run([str(ptxas), "-v", f"--gpu-name={arch}", str(ptx), "-o", str(cubin)],
+                                capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([str(BIN / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True).stdout
+    registers = re.search(r"Used (\d+) registers", report)
+    spill = re.search(r"(\d+) bytes spill stores", report)
+    found = re.findall(MMA, sass)
+    mma_text = " ".join(f"{op} {found.count(op)}" for op in sorted(set(found))) or "no MMA"
+    return (f"shared {kernel.metadata.shared:>6} B  regs {registers.group(1) if registers else '?':>3}  "
+            f"spill stores {spill.group(1) if spill else '?':>5} B  in MMA loops {_loop_spills(sass):>3}  {mma_text}")
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="compile only kernels whose name contains this")
+    parser.add_argument("--capabilities", default="90,100")
+    args = parser.parse_args()
     failed = 0
-    for capability in (90, 100):
-        target = GPUTarget("cuda", capability, 32)
-        for name, fn, types, consts, warps in _variants():
-            signature = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
-            source = ASTSource(fn=fn, signature=signature,
-                               constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-            try:
-                kernel = triton_compile(source, target=target, options={"num_warps": warps, "num_stages": 3})
-            except Exception as err:  # report every kernel, not only the first failure
-                failed += 1
-                print(f"FAIL sm_{capability} {name}: {type(err).__name__}: {str(err)[:2000]}")
+    for capability in map(int, args.capabilities.split(",")):
+        for name, fn, types, consts, warps, stages in _variants():
+            if args.only not in name:
                 continue
-            ptx = kernel.asm.get("ptx", "")
-            print(f"ok   sm_{capability} {name:<28} shared {kernel.metadata.shared:>6} B  "
-                  f"wgmma {len(re.findall('wgmma.mma_async', ptx)):>3}  mma.sync {len(re.findall('mma.sync', ptx)):>3}  "
-                  f"local ld/st {len(re.findall(r'(ld|st)[.]local', ptx)):>3}")
+            try:
+                print(f"ok   sm_{capability} {name:<40} {_compile(fn, types, consts, warps, stages, capability)}", flush=True)
+            except Exception as err:  # noqa: BLE001  (report every kernel, not only the first failure)
+                failed += 1
+                print(f"FAIL sm_{capability} {name}: {type(err).__name__}: {str(err)[:2000]}", flush=True)
     sys.exit(1 if failed else 0)
 
 

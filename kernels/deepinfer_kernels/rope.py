@@ -59,9 +59,7 @@ def rotate_tile(x, position, freq_ptr, D, HALF, SIGN: tl.constexpr, BLOCK_D: tl.
     pair = tl.arange(0, BLOCK_D // 2)
     first = (D - 2 * HALF) // 2
     rotated = (pair >= first) & (pair < D // 2)
-    # volatile: a kernel that rotates on load and again on store would otherwise share one cos / sin
-    # between the two, keeping them live (in registers) across everything in between
-    angle = position.to(tl.float32) * tl.load(freq_ptr + pair - first, mask=rotated, other=0.0, volatile=True)
+    angle = position.to(tl.float32) * tl.load(freq_ptr + pair - first, mask=rotated, other=0.0)
     cos = tl.cos(angle).to(dtype).to(tl.float32)[None, :]
     sin = SIGN * tl.sin(angle).to(dtype).to(tl.float32)[None, :]
     a32, b32 = a.to(tl.float32), b.to(tl.float32)

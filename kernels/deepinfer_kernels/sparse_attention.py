@@ -89,9 +89,10 @@ def _sparse_attention_kernel(
     if ROTARY:
         q = rotate_tile(q, pos, freq_ptr, D, rope_half, 1.0, BLOCK_D)
     if Q_NORM or ROTARY:
-        # Staged through this program's rows of the output (a split writes the same values): read back from
-        # memory, q feeds the tensor cores from shared memory; computed in registers, it would stay there,
-        # a copy live through every key block (spills at 64 heads a program).
+        # Staged through this program's rows of the output: read back from memory, q feeds the tensor cores
+        # from shared memory; computed in registers, Triton would keep it there as the MMA's operand, a copy
+        # live through every key block (spills at 64 heads a program). The key splits of one head block
+        # stage the same values, so their overlapping stores are harmless.
         q_rows = out_ptr + t.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
         tl.store(q_rows, q, mask=h_ok[:, None] & d_mask[None, :])
         tl.debug_barrier()
