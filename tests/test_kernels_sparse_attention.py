@@ -50,6 +50,21 @@ def _picks(n_entries: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return picks
 
 
+def _layer_kwargs(layer: str, batch: ForwardBatch, dim: int, dtype: torch.dtype, gen: torch.Generator) -> dict:
+    """The compressed entries of an "all_entries" or "selected" layer and, for "selected", distinct picks
+    per row among the sequence's entries (some not yet visible to the row) and -1; the contract has no
+    meaning for indices past the sequence's entries."""
+    if layer == "sliding":
+        return {}
+    kwargs = {"entries": torch.randn(NUM_BLOCKS, BLOCK_SIZE // RATIO, dim, generator=gen).to(dtype), "ratio": RATIO}
+    if layer == "selected":
+        kwargs["selected"] = torch.cat([
+            torch.stack([_picks((ctx + n) // RATIO, 3, gen) for _ in range(n)])
+            for n, ctx in zip(batch.query_lens_cpu, batch.context_lens_cpu)
+        ])
+    return kwargs
+
+
 STEPS = {
     # fresh prefill longer than the ring, a continued chunk, decodes before and after the ring wraps
     "mixed": ([11, 5, 1, 1], [0, 13, 3, 37]),
@@ -69,16 +84,7 @@ def test_sparse_attention_matches_reference(dtype, layer, step):
     kv = torch.randn(tokens, dim, generator=gen).to(dtype)
     window = torch.randn(NUM_SLOTS, RING, dim, generator=gen).to(dtype)
     sinks = torch.randn(heads, generator=gen)
-    kwargs = {}
-    if layer != "sliding":
-        kwargs = {"entries": torch.randn(NUM_BLOCKS, BLOCK_SIZE // RATIO, dim, generator=gen).to(dtype), "ratio": RATIO}
-    if layer == "selected":
-        # distinct picks per row among the sequence's entries (some not yet visible to the row) and -1;
-        # the contract has no meaning for indices past the sequence's entries
-        kwargs["selected"] = torch.cat([
-            torch.stack([_picks((ctx + n) // RATIO, 3, gen) for _ in range(n)])
-            for n, ctx in zip(batch.query_lens_cpu, batch.context_lens_cpu)
-        ])
+    kwargs = _layer_kwargs(layer, batch, dim, dtype, gen)
     args = (q, kv, window, sinks, dim**-0.5, batch)
     out = sparse_attention(*args, **kwargs)
     assert_matches(out, KernelOps().sparse_attention(*args, **kwargs), TOLERANCE[dtype])
@@ -141,15 +147,7 @@ def test_split_keys_match_reference(layer, step):
     kv = torch.randn(tokens, dim, generator=gen).to(torch.bfloat16)
     window = torch.randn(NUM_SLOTS, RING, dim, generator=gen).to(torch.bfloat16)
     sinks = torch.randn(heads, generator=gen)
-    kwargs = {}
-    if layer != "sliding":
-        kwargs = {"entries": torch.randn(NUM_BLOCKS, BLOCK_SIZE // RATIO, dim, generator=gen).to(torch.bfloat16),
-                  "ratio": RATIO}
-    if layer == "selected":
-        kwargs["selected"] = torch.cat([
-            torch.stack([_picks((ctx + n) // RATIO, 3, gen) for _ in range(n)])
-            for n, ctx in zip(batch.query_lens_cpu, batch.context_lens_cpu)
-        ])
+    kwargs = _layer_kwargs(layer, batch, dim, torch.bfloat16, gen)
     args = (q, kv, window, sinks, dim**-0.5, batch)
     out = sparse_attention(*args, **kwargs, num_sms=48)
     assert_matches(out, KernelOps().sparse_attention(*args, **kwargs), TOLERANCE[torch.bfloat16])
@@ -170,15 +168,7 @@ def test_rotary_attention_matches_reference(layer, step, num_sms, q_norm):
     window = torch.randn(NUM_SLOTS, RING, dim, generator=gen).to(torch.bfloat16)
     sinks = torch.randn(heads, generator=gen)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))  # the last 16 channels
-    kwargs = {}
-    if layer != "sliding":
-        kwargs = {"entries": torch.randn(NUM_BLOCKS, BLOCK_SIZE // RATIO, dim, generator=gen).to(torch.bfloat16),
-                  "ratio": RATIO}
-    if layer == "selected":
-        kwargs["selected"] = torch.cat([
-            torch.stack([_picks((ctx + n) // RATIO, 3, gen) for _ in range(n)])
-            for n, ctx in zip(batch.query_lens_cpu, batch.context_lens_cpu)
-        ])
+    kwargs = _layer_kwargs(layer, batch, dim, torch.bfloat16, gen)
     eps = 1e-6 if q_norm else None
     args = (q, kv, window, sinks, dim**-0.5, batch)
     expected = KernelOps().rotary_attention(*args, inv_freq, eps, **kwargs)
