@@ -8,7 +8,7 @@ the tolerances are the interpreter tests' with room for the longer float32 accum
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 
 import torch
@@ -253,13 +253,13 @@ def _attention(ops, reference, heads, dim, ring, seqs, q_len, ctx, layer, ratio,
     attended = int(keys.sum())
     unique_keys = seqs * (min(ctx, ring) + q_len + ((ctx + q_len) // ratio if ratio else 0))
     nbytes = 2 * (2 * tokens * heads * dim + unique_keys * dim)
-    if rotary:
-        rope_dim = dim // 8  # V4: the last 64 of 512 channels
-        inv_freq = 1.0 / (160000.0 ** (torch.arange(0, rope_dim, 2, device=device, dtype=torch.float32) / rope_dim))
-        def run(o):
-            op = partial(KernelOps.rotary_attention, o) if rotary == "composed" else o.rotary_attention
-            return op(q, kv, window, sinks, dim**-0.5, batch, inv_freq, 1e-6, **kwargs)
-    else:
-        def run(o):
+    rope_dim = dim // 8  # V4: the last 64 of 512 channels
+    inv_freq = 1.0 / (160000.0 ** (torch.arange(0, rope_dim, 2, device=device, dtype=torch.float32) / rope_dim))
+
+    def run(o):
+        if not rotary:
             return o.sparse_attention(q, kv, window, sinks, dim**-0.5, batch, **kwargs)
+        op = partial(KernelOps.rotary_attention, o) if rotary == "composed" else o.rotary_attention
+        return op(q, kv, window, sinks, dim**-0.5, batch, inv_freq, 1e-6, **kwargs)
+
     return (lambda: run(ops), lambda: run(reference), 4 * heads * dim * attended, nbytes, ATTENTION_TOL, False)
