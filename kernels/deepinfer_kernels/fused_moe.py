@@ -57,8 +57,12 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
     SHARED: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # All column tiles of a row block, then the next: programs start in id order, so a block's rows are
+    # read from memory once and stay in L2 while an expert's weight streams past them. (Walking down the
+    # columns instead re-read every row once per column: 57k rows x 2,048 of `down`'s input at 8,192
+    # tokens do not fit in the H200's 50 MB L2.)
+    pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)
+    pid_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= NUM_ROUTED + SHARED:
         return
@@ -117,8 +121,8 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
     SHARED: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)  # row block by row block, as in `_gate_up_kernel`
+    pid_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= NUM_ROUTED + SHARED:
         return
@@ -137,16 +141,21 @@ def _down_kernel(
         a = tl.load(act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :],
                     mask=offs_k[None, :] < K, other=0.0)
         w = load_weight_tile(w2, s2, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K)
-        if A8:
-            a_scale = tl.load(as_ptr + offs_m.to(tl.int64) * stride_asm + k0 // BLOCK_K)
-            part = tl.dot(a, tl.trans(w)) * a_scale[:, None]
-        elif IEEE:
+        if IEEE:
             part = tl.dot(a, tl.trans(w), input_precision="ieee")
         else:
             part = tl.dot(a, tl.trans(w))
         if FORMAT == 1:
-            part = part * e8m0_to_float(tl.load(s2 + (pid_n * BLOCK_N // SCALE_BN) * stride_sn + k0 // SCALE_BK))
-        acc += part
+            # Powers of two: the scales multiply first (exact), then one multiply-add per element. (Done so in
+            # `_gate_up_kernel`, at 255 registers, it spilled in the K loop and measured slower.)
+            scale = e8m0_to_float(tl.load(s2 + (pid_n * BLOCK_N // SCALE_BN) * stride_sn + k0 // SCALE_BK))
+            if A8:
+                a_scale = tl.load(as_ptr + offs_m.to(tl.int64) * stride_asm + k0 // BLOCK_K)
+                acc += part * (a_scale * scale)[:, None]
+            else:
+                acc += part * scale
+        else:
+            acc += part
     valid = entry >= 0
     if SHARED:  # pair (t, TOP_K) is the shared expert's, weight 1; the routed weights are [T, TOP_K]
         slot = entry % (TOP_K + 1)
@@ -157,6 +166,23 @@ def _down_kernel(
     y = acc.to(y_ptr.dtype.element_ty).to(tl.float32) * route_w[:, None]
     tl.store(y_ptr + tl.where(valid, entry, 0).to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
              y.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+# Columns per program of the slot sum: 1,024 bf16 are 16 bytes per thread and load at 4 warps.
+_SUM_COLUMNS = 1024
+
+
+@triton.jit
+def _sum_slots_kernel(y_ptr, out_ptr, D, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = y[t, 0] + y[t, 1] + ... in float32, in slot order (the shared expert last): a token's sum
+    never depends on the batch. (torch's sum over the slot dim ran at under half the copy bandwidth.)"""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = cols < D
+    total = tl.load(y_ptr + token * SLOTS * D + cols, mask=ok, other=0.0).to(tl.float32)
+    for slot in tl.static_range(1, SLOTS):
+        total += tl.load(y_ptr + (token * SLOTS + slot) * D + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * D + cols, total, mask=ok)
 
 
 def tile_config(pairs: int, fmt: int, batch_invariant: bool) -> tuple[int, int, int, int, int]:
@@ -211,7 +237,7 @@ def moe_routed(
 
     shared: the shared expert (see `shared_fusable`), run in the same two launches as one more pair of
     weight 1 per token, so its output meets the same roundings as the reference's separate MLP.
-    batch_invariant: one row-block size for every batch, and the outputs summed in slot order.
+    batch_invariant: one row-block size for every batch (the outputs are always summed in slot order).
     fp8_activations: fp8 experts meet their inputs quantised to fp8 (W8A8; see `moe_supported`).
     """
     tokens, top_k = ids.shape
@@ -244,7 +270,7 @@ def moe_routed(
     ss1, ss3, ss2 = (_scale_args(sc, w)[0] for sc, w in zip((source.w1_scale, source.w3_scale, source.w2_scale), (sw1, sw3, sw2)))
     act = torch.empty((row_entry.shape[0], inter), dtype=x.dtype, device=x.device)
     x_in, x_scales = quantize_fp8_rows(x, block_k) if a8 else (x, x)
-    _gate_up_kernel[(block_expert.shape[0], triton.cdiv(inter, block_n))](
+    _gate_up_kernel[(block_expert.shape[0] * triton.cdiv(inter, block_n),)](
         x_in, x_scales, w1, w3, s1, s3, sw1, sw3, ss1, ss3, act, row_entry, block_expert,
         inter, hidden, top_k, experts.num_held, swiglu_limit,
         x_in.stride(0), x_scales.stride(0), w1.stride(0), w1.stride(1), se, sn, act.stride(0),
@@ -256,7 +282,7 @@ def moe_routed(
     alloc = torch.empty if held_all else torch.zeros
     y = alloc((tokens * slots, hidden), dtype=x.dtype, device=x.device)
     act_in, act_scales = quantize_fp8_rows(act, block_k) if a8 else (act, act)
-    _down_kernel[(block_expert.shape[0], triton.cdiv(hidden, block_n))](
+    _down_kernel[(block_expert.shape[0] * triton.cdiv(hidden, block_n),)](
         act_in, act_scales, w2, s2, sw2, ss2, y, weights.reshape(-1).float().contiguous(), row_entry, block_expert,
         hidden, inter, top_k, experts.num_held,
         act_in.stride(0), act_scales.stride(0), w2.stride(0), w2.stride(1), se2, sn2, y.stride(0),
@@ -264,10 +290,7 @@ def moe_routed(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, SHARED=fused,
         num_warps=warps, num_stages=stages,
     )
-    outputs = y.view(tokens, slots, hidden)
-    if not batch_invariant:
-        return outputs.sum(dim=1, dtype=torch.float32)  # float32 accumulation, no float32 copy of y
-    total = outputs[:, 0].float()
-    for slot in range(1, slots):
-        total += outputs[:, slot]
+    total = torch.empty((tokens, hidden), dtype=torch.float32, device=x.device)
+    if tokens:
+        _sum_slots_kernel[(tokens, triton.cdiv(hidden, _SUM_COLUMNS))](y, total, hidden, SLOTS=slots, BLOCK_D=_SUM_COLUMNS)
     return total

@@ -30,45 +30,42 @@ def tile_config(tokens: int, batch_invariant: bool) -> tuple[int, int, int, int]
 
 @triton.jit
 def _hc_mix_partial_kernel(
-    x_ptr, fn_ptr, part_ptr, T, K,
-    N: tl.constexpr, NP: tl.constexpr, PN: tl.constexpr, WIDTH: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PRE_ONLY: tl.constexpr,
+    x_ptr, fn_ptr, part_ptr, T, K, FN_ROWS,
+    FNP: tl.constexpr, WIDTH: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_BF16: tl.constexpr,
 ):
-    # Partial dot products of one K chunk: part[chunk, t] = [pre (PN) | post (PN) | comb (NP*NP) | sum x^2].
-    # PRE_ONLY (the final head, fn [N, K]): the post and comb parts stay 0.
-    # NP: n padded to a power of two >= 4 so the comb tile [NP*NP] is a legal dot width (>= 16);
-    # PN: width of the pre / post tiles (>= 16 for the same reason).
+    # Partial dot products of one K chunk with every row of fn in one product (pre | post | comb rows,
+    # padded to FNP >= 16 columns), and the sum of squares: part[chunk, t] = [fn @ x (FNP) | sum x^2].
     chunk = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
-    cols_pn = tl.arange(0, PN)
-    cells = tl.arange(0, NP * NP)
-    cell_r, cell_c = cells // NP, cells % NP
-    cell_ok = (cell_r < N) & (cell_c < N)
-    comb_rows = 2 * N + cell_r * N + cell_c
+    fn_rows = tl.arange(0, FNP)
     squares = tl.zeros([BLOCK_T], dtype=tl.float32)
-    acc_pre = tl.zeros([BLOCK_T, PN], dtype=tl.float32)
-    acc_post = tl.zeros([BLOCK_T, PN], dtype=tl.float32)
-    acc_comb = tl.zeros([BLOCK_T, NP * NP], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T, FNP], dtype=tl.float32)
     for k0 in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(fn_ptr + fn_rows[None, :] * K + ks[:, None], mask=(fn_rows < FN_ROWS)[None, :] & k_ok[:, None], other=0.0)
+        if SPLIT_BF16:
+            # bf16 streams meet fn as three bf16 pieces, hi + mid + lo = fn (each residual is exact in
+            # float32): exact products, float32 sums, at the bf16 tensor-core rate and with no
+            # per-element splitting of x, which made the 3xTF32 version compute-bound at 8,192 rows.
+            hi = w.to(tl.bfloat16)
+            rest = w - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16)
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            acc = tl.dot(x, hi, acc)
+            acc = tl.dot(x, mid, acc)
+            acc = tl.dot(x, lo, acc)
+            x = x.to(tl.float32)
+        else:
+            x = x.to(tl.float32)
+            acc = tl.dot(x, w, acc, input_precision="tf32x3")
         squares += tl.sum(x * x, axis=1)
-        w_pre = tl.load(fn_ptr + cols_pn[None, :] * K + ks[:, None], mask=(cols_pn < N)[None, :] & k_ok[:, None], other=0.0)
-        acc_pre += tl.dot(x, w_pre, input_precision=PRECISION)
-        if not PRE_ONLY:
-            w_post = tl.load(fn_ptr + (N + cols_pn)[None, :] * K + ks[:, None],
-                             mask=(cols_pn < N)[None, :] & k_ok[:, None], other=0.0)
-            w_comb = tl.load(fn_ptr + comb_rows[None, :] * K + ks[:, None], mask=cell_ok[None, :] & k_ok[:, None], other=0.0)
-            acc_post += tl.dot(x, w_post, input_precision=PRECISION)
-            acc_comb += tl.dot(x, w_comb, input_precision=PRECISION)
     out = part_ptr + (chunk * T + rows.to(tl.int64))[:, None] * WIDTH
-    tl.store(out + cols_pn[None, :], acc_pre, mask=row_ok[:, None])
-    tl.store(out + PN + cols_pn[None, :], acc_post, mask=row_ok[:, None])
-    tl.store(out + 2 * PN + cells[None, :], acc_comb, mask=row_ok[:, None])
-    tl.store(part_ptr + (chunk * T + rows.to(tl.int64)) * WIDTH + 2 * PN + NP * NP, squares, mask=row_ok)
+    tl.store(out + fn_rows[None, :], acc, mask=row_ok[:, None])
+    tl.store(part_ptr + (chunk * T + rows.to(tl.int64)) * WIDTH + FNP, squares, mask=row_ok)
 
 
 def _epilogue_warps(tile: int) -> int:
@@ -87,8 +84,8 @@ def _pick(sums, cols, wanted):
 @triton.jit
 def _hc_mix_epilogue_kernel(
     part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, CHUNKS, norm_eps, hc_eps,
-    N: tl.constexpr, NP: tl.constexpr, PN: tl.constexpr, WIDTH: tl.constexpr, ITERS: tl.constexpr,
-    PRE_ONLY: tl.constexpr, CHUNKS_P2: tl.constexpr, WIDTH_P2: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, PN: tl.constexpr, FNP: tl.constexpr, WIDTH: tl.constexpr,
+    ITERS: tl.constexpr, PRE_ONLY: tl.constexpr, CHUNKS_P2: tl.constexpr, WIDTH_P2: tl.constexpr,
 ):
     # One row: all its chunks' partial sums in one load, reduced in one tree (the same for every row).
     row = tl.program_id(0).to(tl.int64)
@@ -96,22 +93,22 @@ def _hc_mix_epilogue_kernel(
     cols = tl.arange(0, WIDTH_P2)
     parts = tl.load(part_ptr + (chunks[:, None] * T + row) * WIDTH + cols[None, :],
                     mask=(chunks[:, None] < CHUNKS) & (cols[None, :] < WIDTH), other=0.0)
-    sums = tl.sum(parts, axis=0)  # pre (PN) | post (PN) | comb (NP*NP) | sum x^2
+    sums = tl.sum(parts, axis=0)  # pre (N) | post (N) | comb (N*N) | padding | sum x^2 (column FNP)
     cols_pn = tl.arange(0, PN)
     cells = tl.arange(0, NP * NP)
     cell_r, cell_c = cells // NP, cells % NP
     cell_ok = (cell_r < N) & (cell_c < N)
     # fn @ (x * r) == r * (fn @ x): the RMS factor is applied once, after the reduction.
-    r = tl.rsqrt(tl.sum(tl.where(cols == 2 * PN + NP * NP, sums, 0.0), axis=0) / K + norm_eps)
+    r = tl.rsqrt(tl.sum(tl.where(cols == FNP, sums, 0.0), axis=0) / K + norm_eps)
     pn_ok = cols_pn < N
     pre = tl.sigmoid(_pick(sums, cols, cols_pn) * r * tl.load(scale_ptr) + tl.load(base_ptr + cols_pn, mask=pn_ok, other=0.0))
     tl.store(pre_ptr + row * N + cols_pn, pre + hc_eps, mask=pn_ok)
     if PRE_ONLY:
         return
-    post = 2.0 * tl.sigmoid(_pick(sums, cols, PN + cols_pn) * r * tl.load(scale_ptr + 1)
+    post = 2.0 * tl.sigmoid(_pick(sums, cols, N + cols_pn) * r * tl.load(scale_ptr + 1)
                             + tl.load(base_ptr + N + cols_pn, mask=pn_ok, other=0.0))
     tl.store(post_ptr + row * N + cols_pn, post, mask=pn_ok)
-    logits = (_pick(sums, cols, 2 * PN + cells) * r * tl.load(scale_ptr + 2)
+    logits = (_pick(sums, cols, 2 * N + cell_r * N + cell_c) * r * tl.load(scale_ptr + 2)
               + tl.load(base_ptr + 2 * N + cell_r * N + cell_c, mask=cell_ok, other=0.0))
     logits = tl.reshape(logits, [NP, NP])
     r2 = tl.reshape(cell_r, [NP, NP])
@@ -135,7 +132,8 @@ def hc_mix(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [T, n], post [T, n], comb [T, n, n]) float32 of `KernelOps.hc_mix`, one pass over the streams.
 
-    The float32 dot products run as 3xTF32 on tensor cores (float32-level accuracy). batch_invariant
+    The dot products are float32-accurate on tensor cores: bf16 streams against fn split into three bf16
+    pieces, float32 streams as 3xTF32. batch_invariant
     fixes the row tile (otherwise 64 rows for prefill-sized steps, 16 for decode-sized ones).
     """
     return _mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, batch_invariant, pre_only=False)
@@ -161,20 +159,23 @@ def _mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, batch_invar
     if t == 0:
         return pre, post, comb
     k = n * d
+    # NP: n padded to a power of two >= 4 (the comb tile [NP, NP]); PN: the pre / post vectors' width;
+    # FNP: fn's rows padded to a legal dot width (>= 16)
     np_, pn = max(4, triton.next_power_of_2(n)), max(16, triton.next_power_of_2(n))
-    width = 2 * pn + np_ * np_ + 1
+    fnp = max(16, triton.next_power_of_2(fn.shape[0]))
+    width = fnp + 1
     chunk, block_k, block_t, warps = tile_config(t, batch_invariant)
     chunks = triton.cdiv(k, chunk)
     parts = torch.empty(chunks, t, width, dtype=torch.float32, device=streams.device)
     _hc_mix_partial_kernel[(triton.cdiv(t, block_t), chunks)](
-        x, fn.float().contiguous(), parts, t, k,
-        N=n, NP=np_, PN=pn, WIDTH=width, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k, PRECISION="tf32x3",
-        PRE_ONLY=pre_only, num_warps=warps,
+        x, fn.float().contiguous(), parts, t, k, fn.shape[0],
+        FNP=fnp, WIDTH=width, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k,
+        SPLIT_BF16=x.dtype == torch.bfloat16, num_warps=warps,
     )
     chunks_p2, width_p2 = triton.next_power_of_2(chunks), triton.next_power_of_2(width)
     _hc_mix_epilogue_kernel[(t,)](
         parts, base.float().contiguous(), scale.float().contiguous(), pre, post, comb, t, k, chunks,
-        norm_eps, hc_eps, N=n, NP=np_, PN=pn, WIDTH=width, ITERS=sinkhorn_iters, PRE_ONLY=pre_only,
+        norm_eps, hc_eps, N=n, NP=np_, PN=pn, FNP=fnp, WIDTH=width, ITERS=sinkhorn_iters, PRE_ONLY=pre_only,
         CHUNKS_P2=chunks_p2, WIDTH_P2=width_p2, num_warps=_epilogue_warps(chunks_p2 * width_p2),
     )
     return pre, post, comb
