@@ -61,19 +61,21 @@ def test_indexer_topk_matches_reference_on_conformance_step():
     assert torch.equal(indexer_topk(*args), KernelOps().indexer_topk(*args))
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_indexer_topk_matches_reference_across_tiles(dtype):
+def test_indexer_topk_matches_reference_across_tiles(dtype, batch_invariant):
     from deepinfer_core.platform.op_cases import _step_batch
 
     gen = torch.Generator().manual_seed(5)
     ratio, block_size, topk = 4, 16, 9
-    # one long prefill (3 query tiles, > 64 entries), a continued prefill and two decodes
-    query_lens, context_lens = [40, 7, 1, 1], [230, 13, 301, 2]
-    batch = _step_batch(gen, query_lens, context_lens, 4, blocks_per_seq=22, num_blocks=90)
-    keys = torch.randn(90, block_size // ratio, 16, generator=gen).to(dtype)
+    # one long prefill (3 query tiles of 64 rows or 9 of 16, 167 entries: 2 entry tiles), a continued
+    # prefill and two decodes
+    query_lens, context_lens = [140, 7, 1, 1], [530, 13, 301, 2]
+    batch = _step_batch(gen, query_lens, context_lens, 4, blocks_per_seq=44, num_blocks=180)
+    keys = torch.randn(180, block_size // ratio, 16, generator=gen).to(dtype)
     q = torch.randn(batch.num_tokens, 8, 16, generator=gen).to(dtype)
     weights = torch.randn(batch.num_tokens, 8, generator=gen).to(dtype)
-    out = indexer_topk(q, weights, keys, ratio, topk, batch)
+    out = indexer_topk(q, weights, keys, ratio, topk, batch, batch_invariant)
     ref = KernelOps().indexer_topk(q, weights, keys, ratio, topk, batch)
     # bf16 products are exact in float32, so both sides sum the same terms; only the order differs,
     # which can swap two entries whose scores agree to ~1e-7: compare sets, and order where scores differ

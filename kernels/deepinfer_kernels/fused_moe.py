@@ -257,7 +257,7 @@ def moe_routed(
     scale_bn, scale_bk = experts.block if fmt == 1 else (1, 1)
     row_entry, block_expert = moe_plan(ids, experts.local_ids, experts.num_held, block_m, fused)
     x = x.contiguous()
-    ieee = x.dtype == torch.float32
+    ieee = x.dtype == torch.float32 and not a8  # fp8 codes meet on fp8 MMAs whatever x.dtype
     w1, _ = as_kernel_weight(experts.w1, None)
     w3, _ = as_kernel_weight(experts.w3, None)
     w2, _ = as_kernel_weight(experts.w2, None)

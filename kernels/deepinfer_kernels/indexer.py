@@ -16,29 +16,37 @@ import triton.language as tl
 
 from deepinfer_core.models.forward_batch import ForwardBatch
 
-__all__ = ["indexer_topk", "indexer_supported"]
+__all__ = ["indexer_topk", "indexer_supported", "tile_config"]
 
-_BLOCK_Q = 16
-_BLOCK_W = 64
+
+def tile_config(decode_step: bool, batch_invariant: bool) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_W) of the score kernel. From an H200 sweep (BENCHMARKS.md), scores and sort at V4-Flash
+    widths: 64 query rows a tile at 8,192 tokens (1.45 -> 0.88 ms, 0.52 of it the sort), 16 at decode
+    (64 sequences at 4,096: 0.149 -> 0.119 ms); 128 entries a tile for both. The batch-invariant mode keeps
+    16 rows whatever the step: the MMA shape, hence a score's rounding, would otherwise depend on it."""
+    return (16 if decode_step or batch_invariant else 64), 128
 
 
 @triton.jit
 def _indexer_scores_kernel(
     q_ptr, hw_ptr, keys_ptr, tables_ptr, n_entries_ptr, pos_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr,
-    out_ptr, H, ratio, per_block, stride_table, stride_page, stride_slot, stride_out, head_scale, dim_scale,
+    out_ptr, H, ratio, per_block, stride_table, stride_page, stride_slot, stride_out, head_scale, dim_scale, W_TILES,
     DI: tl.constexpr, IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    # All entry tiles of a query tile, then the next: they run side by side and read the tile's queries
+    # (all heads) once from memory. Query tiles first re-read every query once per entry tile.
+    tile = tl.program_id(0) // W_TILES
+    first_w = (tl.program_id(0) % W_TILES) * BLOCK_W
     seq = tl.load(tile_seq_ptr + tile)
     rows = tl.load(tile_start_ptr + tile) + tl.arange(0, BLOCK_Q)
     row_ok = rows < tl.load(tile_end_ptr + tile)
-    w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    w = first_w + tl.arange(0, BLOCK_W)
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
     limit = tl.where(row_ok, (pos + 1) // ratio, 0)
     visible = (w[None, :] < limit[:, None]) & (w[None, :] < tl.load(n_entries_ptr + seq))
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + w[None, :]
     out_ok = row_ok[:, None] & (w[None, :] < stride_out)
-    if tl.program_id(1) * BLOCK_W < tl.max(limit, axis=0):
+    if first_w < tl.max(limit, axis=0):
         w_ok = w < tl.load(n_entries_ptr + seq)
         page = tl.load(tables_ptr + seq.to(tl.int64) * stride_table + w // per_block, mask=w_ok, other=0)
         dims = tl.arange(0, DI)
@@ -63,15 +71,15 @@ def indexer_supported(q: torch.Tensor, index_keys: torch.Tensor) -> bool:
     return di >= 16 and di & (di - 1) == 0 and index_keys.dtype == q.dtype and q.dtype in (torch.bfloat16, torch.float32)
 
 
-def _query_tiles(query_lens: list[int], device: torch.device) -> torch.Tensor:
-    """[3, tiles] int32 (sequence, first row, end row) of every BLOCK_Q-row query tile. A decode step
+def _query_tiles(query_lens: list[int], block_q: int, device: torch.device) -> torch.Tensor:
+    """[3, tiles] int32 (sequence, first row, end row) of every block_q-row query tile. A decode step
     (one row a sequence) builds it on the device, so a captured graph holds no host copy."""
     if all(n == 1 for n in query_lens):
         rows = torch.arange(len(query_lens), dtype=torch.int32, device=device)
         return torch.stack([rows, rows, rows + 1])
     tile_seq, tile_start, tile_end, row = [], [], [], 0
     for i, n_q in enumerate(query_lens):
-        for first in range(row, row + n_q, _BLOCK_Q):
+        for first in range(row, row + n_q, block_q):
             tile_seq.append(i)
             tile_start.append(first)
             tile_end.append(row + n_q)
@@ -80,7 +88,8 @@ def _query_tiles(query_lens: list[int], device: torch.device) -> torch.Tensor:
 
 
 def indexer_topk(
-    q: torch.Tensor, head_weights: torch.Tensor, index_keys: torch.Tensor, ratio: int, topk: int, batch: ForwardBatch
+    q: torch.Tensor, head_weights: torch.Tensor, index_keys: torch.Tensor, ratio: int, topk: int, batch: ForwardBatch,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """`KernelOps.indexer_topk`: int64 [T, topk] visible entries by descending score, -1 padded."""
     t, h, di = q.shape
@@ -94,14 +103,17 @@ def indexer_topk(
     out = torch.full((t, topk), -1, dtype=torch.long, device=device)
     if t == 0 or width == 0:
         return out
-    tiles = _query_tiles(batch.query_lens_cpu, device)
+    decode_step = all(n == 1 for n in batch.query_lens_cpu)
+    block_q, block_w = tile_config(decode_step, batch_invariant)
+    tiles = _query_tiles(batch.query_lens_cpu, block_q, device)
     scores = torch.empty(t, width, dtype=torch.float32, device=device)
-    _indexer_scores_kernel[(tiles.shape[1], triton.cdiv(width, _BLOCK_W))](
+    w_tiles = triton.cdiv(width, block_w)
+    _indexer_scores_kernel[(tiles.shape[1] * w_tiles,)](
         q.contiguous(), head_weights.contiguous(), index_keys, batch.block_tables,
         n_entries, batch.positions,
         tiles[0], tiles[1], tiles[2], scores, h, ratio, index_keys.shape[1], batch.block_tables.stride(0),
-        index_keys.stride(0), index_keys.stride(1), width, h ** -0.5, di ** -0.5,
-        DI=di, IEEE=q.dtype == torch.float32, BLOCK_Q=_BLOCK_Q, BLOCK_W=_BLOCK_W,
+        index_keys.stride(0), index_keys.stride(1), width, h ** -0.5, di ** -0.5, w_tiles,
+        DI=di, IEEE=q.dtype == torch.float32, BLOCK_Q=block_q, BLOCK_W=block_w,
     )
     ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
     k = min(topk, width)

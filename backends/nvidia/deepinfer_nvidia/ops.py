@@ -254,7 +254,7 @@ class TritonOps(KernelOps):
         # Fallback: index head dims that are not powers of two >= 16, keys stored in another dtype.
         if not self._indexer_supported(q, index_keys):
             return super().indexer_topk(q, head_weights, index_keys, ratio, topk, batch)
-        return self._indexer_topk(q, head_weights, index_keys, ratio, topk, batch)
+        return self._indexer_topk(q, head_weights, index_keys, ratio, topk, batch, self.batch_invariant)
 
     def store_window(self, kv: torch.Tensor, window: torch.Tensor, batch: ForwardBatch) -> None:
         self._store_window(kv, window, batch)
