@@ -49,8 +49,8 @@ def _hc_mix_partial_kernel(
         w = tl.load(fn_ptr + fn_rows[None, :] * K + ks[:, None], mask=(fn_rows < FN_ROWS)[None, :] & k_ok[:, None], other=0.0)
         if SPLIT_BF16:
             # bf16 streams meet fn as three bf16 pieces, hi + mid + lo = fn (each residual is exact in
-            # float32): exact products, float32 sums, at the bf16 tensor-core rate and with no
-            # per-element splitting of x, which made the 3xTF32 version compute-bound at 8,192 rows.
+            # float32): exact products, float32 sums, on bf16 tensor cores. 3xTF32 splits every element of
+            # x instead: 0.13 of the copy bandwidth at 8,192 rows against 0.34 (BENCHMARKS.md).
             hi = w.to(tl.bfloat16)
             rest = w - hi.to(tl.float32)
             mid = rest.to(tl.bfloat16)
