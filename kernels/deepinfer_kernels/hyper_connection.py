@@ -133,8 +133,8 @@ def hc_mix(
     """(pre [T, n], post [T, n], comb [T, n, n]) float32 of `KernelOps.hc_mix`, one pass over the streams.
 
     The dot products are float32-accurate on tensor cores: bf16 streams against fn split into three bf16
-    pieces, float32 streams as 3xTF32. batch_invariant
-    fixes the row tile (otherwise 64 rows for prefill-sized steps, 16 for decode-sized ones).
+    pieces, float32 streams as 3xTF32. batch_invariant fixes the row tile (otherwise 64 rows for
+    prefill-sized steps, 16 for decode-sized ones).
     """
     return _mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, batch_invariant, pre_only=False)
 

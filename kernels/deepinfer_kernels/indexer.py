@@ -71,10 +71,10 @@ def indexer_supported(q: torch.Tensor, index_keys: torch.Tensor) -> bool:
     return di >= 16 and di & (di - 1) == 0 and index_keys.dtype == q.dtype and q.dtype in (torch.bfloat16, torch.float32)
 
 
-def _query_tiles(query_lens: list[int], block_q: int, device: torch.device) -> torch.Tensor:
+def _query_tiles(query_lens: list[int], block_q: int, decode_step: bool, device: torch.device) -> torch.Tensor:
     """[3, tiles] int32 (sequence, first row, end row) of every block_q-row query tile. A decode step
     (one row a sequence) builds it on the device, so a captured graph holds no host copy."""
-    if all(n == 1 for n in query_lens):
+    if decode_step:
         rows = torch.arange(len(query_lens), dtype=torch.int32, device=device)
         return torch.stack([rows, rows, rows + 1])
     tile_seq, tile_start, tile_end, row = [], [], [], 0
@@ -105,7 +105,7 @@ def indexer_topk(
         return out
     decode_step = all(n == 1 for n in batch.query_lens_cpu)
     block_q, block_w = tile_config(decode_step, batch_invariant)
-    tiles = _query_tiles(batch.query_lens_cpu, block_q, device)
+    tiles = _query_tiles(batch.query_lens_cpu, block_q, decode_step, device)
     scores = torch.empty(t, width, dtype=torch.float32, device=device)
     w_tiles = triton.cdiv(width, block_w)
     _indexer_scores_kernel[(tiles.shape[1] * w_tiles,)](
