@@ -33,7 +33,7 @@ from triton.compiler import compile as triton_compile  # noqa: E402
 from deepinfer_kernels import fused_moe, linear, sparse_attention  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-WEIGHT_TYPES = {0: "*bf16", 1: "*fp8e4nv", 2: "*u8"}
+WEIGHT_TYPES = {0: "*bf16", 1: "*fp8e4nv", 2: "*i32"}  # fp4: int32 words of eight codes
 FLOAT_SCALARS = {"scale", "q_eps", "eps", "limit"}
 NOT_DIVISIBLE = {"ratio", "TOP_K", "SPLITS"}  # small or odd at the real shapes
 
@@ -60,7 +60,9 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
         yield f"linear[{weight[1:]}{'-a8' if a8 else ''}]", linear._linear_kernel, _types(linear._linear_kernel, {
             "x_ptr": activations, "xs_ptr": "*fp32", "w_ptr": weight, "part_ptr": "*fp32", "counter_ptr": "*i32",
             **byte_scales}), dict(scale, A8=a8, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128 if fmt == 1 else 64), 8, 3
-        moe = dict(scale, A8=a8, SHARED=fmt != 2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        # the MoE's fp4 stacks decode with one product (every real checkpoint's scales are at most 2)
+        moe = dict(scale, FORMAT=fused_moe.FP4_SMALL_SCALES if fmt == 2 else fmt, A8=a8, SHARED=fmt != 2,
+                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
         moe_pointers = {"x_ptr": activations, "act_ptr": "*bf16", "xs_ptr": "*fp32", "as_ptr": "*fp32",
                         "row_entry_ptr": "*i32", "block_expert_ptr": "*i32", "route_w_ptr": "*fp32", **byte_scales}
         moe_pointers.update({n: weight for n in ("w1_ptr", "w3_ptr", "sw1_ptr", "sw3_ptr", "w2_ptr", "sw2_ptr")})

@@ -19,9 +19,10 @@ from deepinfer_nvidia.ops import TritonOps
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
 
 
-def _mlp(fmt: str, hidden: int, inter: int, gen: torch.Generator, dtype: torch.dtype) -> MlpWeights:
+def _mlp(fmt: str, hidden: int, inter: int, gen: torch.Generator, dtype: torch.dtype, magnitude: float = 1 / 6
+         ) -> MlpWeights:
     shapes = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
-    mats = {name: torch.randn(*shape, generator=gen) / 6 for name, shape in shapes.items()}
+    mats = {name: torch.randn(*shape, generator=gen) * magnitude for name, shape in shapes.items()}
     if fmt == "fp8":
         q = {name: quantize_fp8_block(m, (64, 64)) for name, m in mats.items()}
         return MlpWeights(q["w1"][0], q["w3"][0], q["w2"][0], q["w1"][1], q["w3"][1], q["w2"][1], (64, 64))
@@ -52,6 +53,20 @@ def test_fused_moe_matches_reference(dtype, fmt, tokens):
     assert_matches(out, KernelOps().fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[dtype])
     (stack,) = ops._expert_stacks.values()
     assert shared_fusable(stack, shared) == (fmt != "fp4")
+    assert stack.fp4_small_scales == (fmt == "fp4")
+
+
+def test_fp4_experts_with_scales_above_two_decode_exactly():
+    """Scales above 2 overflow the one-product decode's float32 factor: such a stack takes the two-product
+    decode (`weight_tiles.FP4_SMALL_SCALES` is only for stacks whose every scale is at most 2)."""
+    gen = torch.Generator().manual_seed(5)
+    x, weights, ids, _, shared = _inputs("fp4", torch.float32, 9, seed=5)
+    mlps = [_mlp("fp4", 96, 64, gen, torch.float32, magnitude=40.0) for _ in range(7)]
+    ops = TritonOps()
+    out = ops.fused_moe(x, weights, ids, mlps, shared, 1e4)
+    (stack,) = ops._expert_stacks.values()
+    assert not stack.fp4_small_scales
+    assert_matches(out, KernelOps().fused_moe(x, weights, ids, mlps, shared, 1e4), TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("fmt", ["dense", "fp8"])

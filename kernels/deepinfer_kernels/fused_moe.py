@@ -24,7 +24,9 @@ import triton.language as tl
 from deepinfer_core.platform.kernel_ops import MlpWeights
 from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, quantize_fp8_rows
 from deepinfer_kernels.moe_plan import moe_plan
-from deepinfer_kernels.weight_tiles import as_kernel_weight, e8m0_to_float, load_weight_tile, weight_format
+from deepinfer_kernels.weight_tiles import (
+    FP4_SMALL_SCALES, as_kernel_weight, e8m0_to_float, load_weight_tile, weight_format,
+)
 
 __all__ = ["StackedExperts", "moe_routed", "moe_supported", "shared_fusable", "tile_config"]
 
@@ -42,6 +44,8 @@ class StackedExperts:
     w2_scale: torch.Tensor | None
     block: tuple[int, int] | None
     local_ids: torch.Tensor
+    # fp4 experts whose scales are all at most 2 (`weight_tiles.fp4_scales_small`): one product per weight
+    fp4_small_scales: bool = False
 
     @property
     def num_held(self) -> int:
@@ -250,6 +254,9 @@ def moe_routed(
         raise ValueError(f"fp8 activations need an fp8 weight block of 32, 64 or 128 columns, not {experts.block}")
     fused = shared is not None
     slots = top_k + fused
+    # A fused fp4 shared expert's scales are not checked (the released fp4 checkpoints keep it in fp8).
+    small = fmt == 2 and experts.fp4_small_scales and not (fused and weight_format(shared.w1) == 2)
+    kernel_format = FP4_SMALL_SCALES if small else fmt
     block_m, block_n, block_k, warps, stages = tile_config(tokens * slots, fmt, batch_invariant)
     a8 = fp8_activations and fmt == 1
     if fmt == 1:  # tiles inside one scale block; with fp8 activations a K tile is exactly one block
@@ -275,7 +282,7 @@ def moe_routed(
         x_in, x_scales, w1, w3, s1, s3, sw1, sw3, ss1, ss3, act, row_entry, block_expert,
         inter, hidden, top_k, experts.num_held, swiglu_limit,
         x_in.stride(0), x_scales.stride(0), w1.stride(0), w1.stride(1), se, sn, act.stride(0),
-        FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
+        FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, SHARED=fused,
         num_warps=warps, num_stages=stages,
     )
@@ -287,7 +294,7 @@ def moe_routed(
         act_in, act_scales, w2, s2, sw2, ss2, y, weights.reshape(-1).float().contiguous(), row_entry, block_expert,
         hidden, inter, top_k, experts.num_held,
         act_in.stride(0), act_scales.stride(0), w2.stride(0), w2.stride(1), se2, sn2, y.stride(0),
-        FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
+        FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, SHARED=fused,
         num_warps=warps, num_stages=stages,
     )
