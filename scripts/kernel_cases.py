@@ -49,10 +49,12 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
             yield Case(f"route {'hash' if hashed else 'score'} T={tokens} E={experts} k={top_k}",
                        partial(_route, ops, reference, tokens, hidden, experts, top_k, hashed))
     width = 32 if tiny else 512
-    for seqs in ([3] if tiny else [1, 64]):
+    # decode steps of S sequences; prefill steps: a fresh prompt and a chunk continuing a cached one
+    steps = [("decode", [1] * s) for s in ([3] if tiny else [1, 64])] + [("prefill", [37, 19] if tiny else [8192, 4096])]
+    for kind, query_lens in steps:
         for layer, ratio in (("csa", 4), ("hca", 8 if tiny else 128)):
-            yield Case(f"compress_kv decode {layer} S={seqs} width={width}",
-                       partial(_compress_decode, ops, reference, seqs, width, ratio, layer == "csa"))
+            yield Case(f"compress_kv {kind} {layer} S={len(query_lens)} T={sum(query_lens)} width={width}",
+                       partial(_compress, ops, reference, query_lens, width, ratio, layer == "csa"))
     for tokens in ([1, 21] if tiny else [1, 16, 64, 8192]):
         for fmt in ("bf16", "fp8", "fp8-a8", "fp4"):
             yield Case(f"fused_moe {fmt} T={tokens} E={experts} k={top_k}",
@@ -126,23 +128,29 @@ def _route(ops, reference, tokens, hidden, experts, top_k, hashed, gen, device):
     return lambda: dense(ops), lambda: dense(reference), 2 * tokens * experts * hidden, nbytes, 1e-5, False
 
 
-def _compress_decode(ops, reference, seqs, width, ratio, overlap, gen, device):
-    """One decode token per sequence, contexts spread so that some close their window. The entries the
-    reference changes are compared (the untouched ones would dilute the error); the kernel's states must
-    equal the reference's bitwise, else its output reads as NaN (a failure)."""
+def _compress(ops, reference, query_lens, width, ratio, overlap, gen, device):
+    """A step of sequences bringing query_lens tokens: one token each with contexts spread so that some
+    close their window, or (several tokens) a fresh prompt followed by chunks continuing cached ones. The
+    entries the reference changes are compared (the untouched ones would dilute the error); the kernel's
+    states must equal the reference's bitwise, else its output reads as NaN (a failure)."""
     from dataclasses import replace
 
     from deepinfer_core.platform.op_cases import _step_batch
 
     span, proj = (2 * ratio, 2 * width) if overlap else (ratio, width)
-    per_block, blocks_per_seq = 2, 64
-    # inside each sequence's blocks_per_seq * 2 * ratio positions; even sequences close a window
-    contexts = [((7 * i) % 16 + 1) * ratio - 1 if i % 2 == 0 else (5 + i % 7) * ratio + i % ratio for i in range(seqs)]
+    seqs, tokens = len(query_lens), sum(query_lens)
+    per_block = 2
+    if max(query_lens) == 1:  # inside each sequence's blocks; even sequences close a window
+        contexts = [((7 * i) % 16 + 1) * ratio - 1 if i % 2 == 0 else (5 + i % 7) * ratio + i % ratio
+                    for i in range(seqs)]
+    else:  # the first prompt fresh, the others after a cached part that ends inside a window
+        contexts = [0] + [q // 3 + ratio // 2 + 1 for q in query_lens[1:]]
+    blocks_per_seq = max(64, (max(c + q for c, q in zip(contexts, query_lens)) // (per_block * ratio)) + 1)
     num_blocks = seqs * blocks_per_seq
-    host = _step_batch(torch.Generator().manual_seed(seqs), [1] * seqs, contexts, seqs + 1, blocks_per_seq, num_blocks)
+    host = _step_batch(torch.Generator().manual_seed(seqs), query_lens, contexts, seqs + 1, blocks_per_seq, num_blocks)
     batch = replace(host, **{name: getattr(host, name).to(device) for name in (
         "input_ids", "positions", "query_start_loc", "context_lens", "slot_ids", "block_tables", "logits_indices")})
-    kv, gate = (torch.randn(seqs, proj, device=device, generator=gen).to(torch.bfloat16) for _ in range(2))
+    kv, gate = (torch.randn(tokens, proj, device=device, generator=gen).to(torch.bfloat16) for _ in range(2))
     ape = torch.randn(ratio, proj, device=device, generator=gen) * 0.5
     norm = torch.rand(width, device=device, generator=gen) + 0.5
     rope = min(64, width // 4)
@@ -163,7 +171,8 @@ def _compress_decode(ops, reference, seqs, width, ratio, overlap, gen, device):
         same = torch.equal(state_kv, expected_states[0]) and torch.equal(state_gate, expected_states[1])
         return out[changed] if same else torch.full_like(out[changed], float("nan"))
 
-    nbytes = 2 * seqs * (2 * proj + 2 * span * proj + width)
+    windows = sum((c + q) // ratio - c // ratio for c, q in zip(contexts, query_lens))
+    nbytes = 2 * (2 * tokens * proj + 2 * seqs * span * proj + windows * width)
     return kernel, lambda: run(reference)[2][changed], 0, nbytes, NORM_TOL, False
 
 

@@ -30,13 +30,13 @@ class TritonOps(KernelOps):
     @property
     def capturable_decode(self) -> bool:
         # Decode steps read no per-sequence host values: the indexer sizes its scores from the device
-        # lengths (or the graph's bound) and the decode compressor is batched on the device; but the
-        # batch-invariant mode compresses on the reference path, which plans on the host.
+        # lengths (or the graph's bound) and the compressor's decode step is one launch over the device
+        # tensors; but the batch-invariant mode compresses on the reference path, which plans on the host.
         return not self.batch_invariant
 
     def __init__(self) -> None:
         from deepinfer_kernels import (
-            cache_writes, decode_compress, fused_moe, hyper_connection, indexer, linear, rms_norm, rope, routing,
+            cache_writes, compress_kv, fused_moe, hyper_connection, indexer, linear, rms_norm, rope, routing,
             row_gather, sparse_attention, weight_tiles,
         )
 
@@ -63,8 +63,8 @@ class TritonOps(KernelOps):
         self._indexer_supported = indexer.indexer_supported
         self._store_window = cache_writes.store_window
         self._gather_rows = row_gather.gather_rows
-        self._is_decode_step = decode_compress.is_decode_step
-        self._compress_decode_step = decode_compress.compress_decode_step
+        self._compress_kv = compress_kv.compress_kv
+        self._compress_supported = compress_kv.compress_supported
 
     @staticmethod
     @functools.cache
@@ -270,11 +270,11 @@ class TritonOps(KernelOps):
         entries: torch.Tensor, batch: ForwardBatch,
     ) -> None:
         args = (kv, gate, ape, norm_weight, norm_eps, inv_freq, ratio, overlap, state_kv, state_gate, entries, batch)
-        # Fallback: prefill steps (the reference's per-sequence loop) and the batch-invariant mode,
-        # whose reference path pools on fixed row tiles.
-        if self.batch_invariant or not self._is_decode_step(batch):
+        # Fallback: states or entries in a dtype the kernel does not store (float8), and the batch-invariant
+        # mode, whose reference path pools on fixed row tiles.
+        if self.batch_invariant or not self._compress_supported(state_kv, entries):
             return super().compress_kv(*args)
-        return self._compress_decode_step(*args)
+        return self._compress_kv(*args)
 
     def _stack(self, experts: Sequence[MlpWeights | None], device: torch.device):
         """The held experts stacked [E_held, N, K]; built once per layer and reused.
