@@ -218,11 +218,11 @@ def compress_kv(
     longest = max(batch.query_lens_cpu)
     # windows a sequence's step can close: (ctx + q) // ratio - ctx // ratio <= (q - 1) // ratio + 1
     windows = (longest - 1) // ratio + 1
-    states = (batch.slot_ids, batch.context_lens, batch.query_start_loc)
+    sequences = (batch.slot_ids, batch.context_lens, batch.query_start_loc)
     _compress_windows_kernel[(seqs, windows)](
         kv, gate, kv.stride(0), gate.stride(0), ape.float().contiguous(), norm_weight.float().contiguous(),
         inv_freq.float().contiguous(), state_kv, state_gate, state_kv.stride(0), state_kv.stride(1), entries,
-        entries.stride(0), entries.stride(1), *states, batch.block_tables, batch.block_tables.stride(0),
+        entries.stride(0), entries.stride(1), *sequences, batch.block_tables, batch.block_tables.stride(0),
         proj, width, span, ratio * entries.shape[1], norm_eps, RATIO=ratio, OVERLAP=overlap, HALF=half,
         BLOCK_P=triton.next_power_of_2(proj), BLOCK_W=block_w,
         CHUNK=min(triton.next_power_of_2(num_slots), max(1, TILE_ELEMENTS // block_w)), ONE_TOKEN=one_token,
@@ -230,5 +230,5 @@ def compress_kv(
     if not one_token:
         _store_states_kernel[(seqs, min(longest, span))](
             kv, gate, kv.stride(0), gate.stride(0), state_kv, state_gate, state_kv.stride(0), state_kv.stride(1),
-            *states, proj, span, BLOCK_P=min(triton.next_power_of_2(proj), 1024),
+            *sequences, proj, span, BLOCK_P=min(triton.next_power_of_2(proj), 1024),
         )

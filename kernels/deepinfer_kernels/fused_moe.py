@@ -15,7 +15,7 @@ token before launch 1, the activation between the launches), as in `linear`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -25,7 +25,7 @@ from deepinfer_core.platform.kernel_ops import MlpWeights
 from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, quantize_fp8_rows
 from deepinfer_kernels.moe_plan import moe_plan
 from deepinfer_kernels.weight_tiles import (
-    FP4_SMALL_SCALES, as_kernel_weight, e8m0_to_float, load_weight_tile, weight_format,
+    FP4_SMALL_SCALES, as_kernel_weight, e8m0_to_float, fp4_scales_small, load_weight_tile, weight_format,
 )
 
 __all__ = ["StackedExperts", "moe_routed", "moe_supported", "shared_fusable", "tile_config"]
@@ -44,8 +44,13 @@ class StackedExperts:
     w2_scale: torch.Tensor | None
     block: tuple[int, int] | None
     local_ids: torch.Tensor
-    # fp4 experts whose scales are all at most 2 (`weight_tiles.fp4_scales_small`): one product per weight
-    fp4_small_scales: bool = False
+    # fp4 experts whose scales are all at most 2 (`weight_tiles.fp4_scales_small`): one product per weight.
+    # Derived once here, as it reads the scales back to the host.
+    fp4_small_scales: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        small = weight_format(self.w1) == 2 and fp4_scales_small(self.w1_scale, self.w3_scale, self.w2_scale)
+        object.__setattr__(self, "fp4_small_scales", small)
 
     @property
     def num_held(self) -> int:

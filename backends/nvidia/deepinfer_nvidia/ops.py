@@ -37,7 +37,7 @@ class TritonOps(KernelOps):
     def __init__(self) -> None:
         from deepinfer_kernels import (
             cache_writes, compress_kv, fused_moe, hyper_connection, indexer, linear, rms_norm, rope, routing,
-            row_gather, sparse_attention, weight_tiles,
+            row_gather, sparse_attention,
         )
 
         self._rms_norm = rms_norm.rms_norm
@@ -50,7 +50,6 @@ class TritonOps(KernelOps):
         self._moe_supported = fused_moe.moe_supported
         self._shared_fusable = fused_moe.shared_fusable
         self._stacked_experts = fused_moe.StackedExperts
-        self._fp4_scales_small = weight_tiles.fp4_scales_small
         self._attention = sparse_attention.sparse_attention
         self._expert_stacks: dict[tuple, fused_moe.StackedExperts] = {}
         self._hc_mix = hyper_connection.hc_mix
@@ -292,10 +291,11 @@ class TritonOps(KernelOps):
             local_ids = torch.full((len(experts),), len(held), dtype=torch.long, device=device)
             local_ids[held] = torch.arange(len(held), device=device)
             mlps = [experts[i] for i in held]
-            weights = [_stacked([getattr(m, name) for m in mlps]) for name in ("w1", "w3", "w2")]
-            scales = [_stacked([getattr(m, name) for m in mlps]) for name in ("w1_scale", "w3_scale", "w2_scale")]
-            small = weights[0].dtype == torch.int8 and self._fp4_scales_small(*scales)  # once per stack
-            stack = self._stacked_experts(*weights, *scales, first.block, local_ids, small)
+            stack = self._stacked_experts(
+                _stacked([m.w1 for m in mlps]), _stacked([m.w3 for m in mlps]), _stacked([m.w2 for m in mlps]),
+                _stacked([m.w1_scale for m in mlps]), _stacked([m.w3_scale for m in mlps]),
+                _stacked([m.w2_scale for m in mlps]), first.block, local_ids,
+            )
             self._expert_stacks[key] = stack
         return stack
 
