@@ -83,6 +83,28 @@ def test_indexer_topk_matches_reference_across_tiles(dtype, batch_invariant):
     assert (out == ref).float().mean() > 0.98
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_topk_decode_step_matches_reference_with_ties(dtype):
+    """Decode steps take their own score kernel (all heads in one product) and the in-register top-k.
+    Repeated keys tie exactly, and zero keys score 0 (-0.0 where every head weight is negative): the
+    ties must go to the lowest entry, and the top-k spans several 64-entry score tiles."""
+    from deepinfer_core.platform.op_cases import _step_batch
+
+    gen = torch.Generator().manual_seed(9)
+    ratio, block_size, topk = 4, 16, 40
+    batch = _step_batch(gen, [1] * 5, [301, 2, 57, 130, 499], 6, blocks_per_seq=32, num_blocks=170)
+    keys = torch.randn(170, block_size // ratio, 16, generator=gen)
+    keys[3::5] = keys[2::5]  # whole pages repeated: equal scores
+    keys[7::11] = 0.0
+    keys = keys.to(dtype)
+    q = torch.randn(batch.num_tokens, 8, 16, generator=gen).to(dtype)
+    weights = torch.randn(batch.num_tokens, 8, generator=gen)
+    weights[1] = -weights[1].abs()
+    weights = weights.to(dtype)
+    out = indexer_topk(q, weights, keys, ratio, topk, batch)
+    assert torch.equal(out, KernelOps().indexer_topk(q, weights, keys, ratio, topk, batch))
+
+
 def test_indexer_topk_under_a_graph_bound_equals_exact_sizes():
     """A captured decode step sizes the scores from `max_seq_len`, not the host context lengths; reading
     those lists would bake one step's values into every replay, so here they raise."""

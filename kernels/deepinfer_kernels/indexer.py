@@ -4,8 +4,18 @@ The score kernel tiles (queries of one sequence) x (entries): it gathers the ent
 the block table once per tile and loops over the indexer heads, accumulating
 sum_h w[t, h] * ReLU(q[t, h] . K[w]) in float32, so the [T, H, W] per-head scores are never stored.
 Tiles whose entries no query of the tile can see only write -inf. Each score is reduced over the
-heads in a fixed order for its own row and entry, whatever the batch (batch-invariant). The top-k is
-a stable descending sort, which breaks ties towards the lowest entry, as the reference does.
+heads in a fixed order for its own row and entry, whatever the batch (batch-invariant).
+
+A decode step (one query a sequence, outside the batch-invariant mode) takes another score kernel: its
+program meets all heads of its query with an entry tile in one product ([heads, di] x [di, entries]),
+then sums over the heads, where the tiled kernel loops over the heads one product each (at batch 1
+that loop was the whole cost: 26 us a layer at 1,024 entries).
+
+The top-k keeps the reference's order: descending score, ties broken towards the lowest entry (a
+stable sort). In a decode step, rows of up to `TOPK_IN_KERNEL_WIDTH` entries take one program each,
+which sorts 64-bit keys (the score's order-preserving bits, then the entry's complement) in registers:
+one launch where torch's sort and its selects took 12 (22 us of sort at batch 1). Other steps, and
+wider rows, take torch's sort (the interpreter the tests run through needs ~0.4 s a row for the kernel).
 """
 
 from __future__ import annotations
@@ -16,7 +26,14 @@ import triton.language as tl
 
 from deepinfer_core.models.forward_batch import ForwardBatch
 
-__all__ = ["indexer_topk", "indexer_supported", "tile_config"]
+__all__ = ["TOPK_IN_KERNEL_WIDTH", "indexer_topk", "indexer_supported", "tile_config"]
+
+# Widest row the top-k kernel sorts in registers (a 32K-token context at ratio 4: 64 KB of keys).
+TOPK_IN_KERNEL_WIDTH = 8192
+# Entries a tile of the decode score kernel.
+_DECODE_BLOCK_W = 64
+# -inf's float32 bits (0xFF800000) as the top-k kernel orders them: a negative float's bits flipped but the sign.
+_NEG_INF_KEY = -0x00800000 ^ 0x7FFFFFFF
 
 
 def tile_config(decode_step: bool, batch_invariant: bool) -> tuple[int, int]:
@@ -66,6 +83,57 @@ def _indexer_scores_kernel(
         tl.store(out_ptrs, tl.full([BLOCK_Q, BLOCK_W], float("-inf"), tl.float32), mask=out_ok)
 
 
+@triton.jit
+def _decode_scores_kernel(
+    q_ptr, hw_ptr, keys_ptr, tables_ptr, n_entries_ptr, pos_ptr, out_ptr, H, ratio, per_block, stride_table,
+    stride_page, stride_slot, stride_out, head_scale, dim_scale,
+    DI: tl.constexpr, HEADS: tl.constexpr, IEEE: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    # program (sequence, entry tile): the sequence's one query row is its index
+    seq = tl.program_id(0)
+    w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    n_entries = tl.load(n_entries_ptr + seq)
+    limit = tl.minimum((tl.load(pos_ptr + seq) + 1) // ratio, n_entries)
+    out_ptrs = out_ptr + seq.to(tl.int64) * stride_out + w
+    if tl.program_id(1) * BLOCK_W < limit:
+        w_ok = w < n_entries
+        page = tl.load(tables_ptr + seq.to(tl.int64) * stride_table + w // per_block, mask=w_ok, other=0)
+        dims, heads = tl.arange(0, DI), tl.arange(0, HEADS)
+        key_rows = page.to(tl.int64) * stride_page + (w % per_block) * stride_slot
+        keys = tl.load(keys_ptr + key_rows[:, None] + dims[None, :], mask=w_ok[:, None], other=0.0)
+        head_ok = heads < H
+        q = tl.load(q_ptr + (seq.to(tl.int64) * H + heads[:, None]) * DI + dims[None, :], mask=head_ok[:, None],
+                    other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(keys))
+        weight = tl.load(hw_ptr + seq * H + heads, mask=head_ok, other=0.0).to(tl.float32) * head_scale
+        score = tl.sum((tl.maximum(s, 0.0) * dim_scale) * weight[:, None], axis=0)
+        tl.store(out_ptrs, tl.where(w < limit, score, float("-inf")), mask=w < stride_out)
+    else:
+        tl.store(out_ptrs, tl.full([BLOCK_W], float("-inf"), tl.float32), mask=w < stride_out)
+
+
+@triton.jit
+def _topk_kernel(
+    scores_ptr, out_ptr, width, topk, stride_scores, stride_out,
+    WIDTH: tl.constexpr, K: tl.constexpr, NEG_INF_KEY: tl.constexpr,
+):
+    # One row: 64-bit keys whose signed order is (score descending, entry ascending), the top K of them by
+    # a bitonic top-k, decoded back to entries (-1 where the score is -inf: not visible, or padding).
+    row = tl.program_id(0).to(tl.int64)
+    w = tl.arange(0, WIDTH)
+    score = tl.load(scores_ptr + row * stride_scores + w, mask=w < width, other=float("-inf"))
+    bits = (score + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 becomes 0.0, which the reference ties with it
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # as signed integers, ordered as the floats
+    top = tl.topk((ordered.to(tl.int64) << 32) | (WIDTH - 1 - w).to(tl.int64), K)
+    entry = (WIDTH - 1 - top.to(tl.int32)).to(tl.int64)  # the low 32 bits
+    j = tl.arange(0, K)
+    tl.store(out_ptr + row * stride_out + j, tl.where((top >> 32) > NEG_INF_KEY, entry, -1),
+             mask=j < tl.minimum(topk, width))
+
+
 def indexer_supported(q: torch.Tensor, index_keys: torch.Tensor) -> bool:
     di = q.shape[-1]
     return di >= 16 and di & (di - 1) == 0 and index_keys.dtype == q.dtype and q.dtype in (torch.bfloat16, torch.float32)
@@ -104,18 +172,31 @@ def indexer_topk(
     if t == 0 or width == 0:
         return out
     decode_step = all(n == 1 for n in batch.query_lens_cpu)
-    block_q, block_w = tile_config(decode_step, batch_invariant)
-    tiles = _query_tiles(batch.query_lens_cpu, block_q, decode_step, device)
     scores = torch.empty(t, width, dtype=torch.float32, device=device)
-    w_tiles = triton.cdiv(width, block_w)
-    _indexer_scores_kernel[(tiles.shape[1] * w_tiles,)](
-        q.contiguous(), head_weights.contiguous(), index_keys, batch.block_tables,
-        n_entries, batch.positions,
-        tiles[0], tiles[1], tiles[2], scores, h, ratio, index_keys.shape[1], batch.block_tables.stride(0),
-        index_keys.stride(0), index_keys.stride(1), width, h ** -0.5, di ** -0.5, w_tiles,
-        DI=di, IEEE=q.dtype == torch.float32, BLOCK_Q=block_q, BLOCK_W=block_w,
-    )
-    ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    q, head_weights = q.contiguous(), head_weights.contiguous()
+    paging = (index_keys, batch.block_tables, n_entries, batch.positions)
+    strides = (index_keys.shape[1], batch.block_tables.stride(0), index_keys.stride(0), index_keys.stride(1), width)
+    if decode_step and not batch_invariant:
+        _decode_scores_kernel[(t, triton.cdiv(width, _DECODE_BLOCK_W))](
+            q, head_weights, *paging, scores, h, ratio, *strides, h ** -0.5, di ** -0.5,
+            DI=di, HEADS=max(16, triton.next_power_of_2(h)), IEEE=q.dtype == torch.float32, BLOCK_W=_DECODE_BLOCK_W,
+        )
+    else:
+        block_q, block_w = tile_config(decode_step, batch_invariant)
+        tiles = _query_tiles(batch.query_lens_cpu, block_q, decode_step, device)
+        w_tiles = triton.cdiv(width, block_w)
+        _indexer_scores_kernel[(tiles.shape[1] * w_tiles,)](
+            q, head_weights, *paging, tiles[0], tiles[1], tiles[2], scores, h, ratio, *strides,
+            h ** -0.5, di ** -0.5, w_tiles, DI=di, IEEE=q.dtype == torch.float32, BLOCK_Q=block_q, BLOCK_W=block_w,
+        )
     k = min(topk, width)
+    if decode_step and width <= TOPK_IN_KERNEL_WIDTH:
+        _topk_kernel[(t,)](
+            scores, out, width, topk, scores.stride(0), out.stride(0),
+            WIDTH=triton.next_power_of_2(width), K=triton.next_power_of_2(k), NEG_INF_KEY=_NEG_INF_KEY,
+            num_warps=4 if width <= 2048 else 8,
+        )
+        return out
+    ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
     out[:, :k] = torch.where(torch.isfinite(ranked[:, :k]), order[:, :k], -1)
     return out
