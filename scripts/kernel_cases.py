@@ -55,6 +55,10 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
         for layer, ratio in (("csa", 4), ("hca", 8 if tiny else 128)):
             yield Case(f"compress_kv {kind} {layer} S={len(query_lens)} T={sum(query_lens)} width={width}",
                        partial(_compress, ops, reference, query_lens, width, ratio, layer == "csa"))
+    # indexer: decode steps of S sequences at one context, and a prefill (the tiled score kernel)
+    for seqs, q_len, ctx in ([(3, 1, 60), (1, 30, 0)] if tiny else [(1, 1, 8192), (64, 1, 8192), (1, 4096, 0)]):
+        yield Case(f"indexer_topk {'decode' if q_len == 1 else 'prefill'} S={seqs} q={q_len} ctx={ctx}",
+                   partial(_indexer, ops, reference, seqs, q_len, ctx, tiny))
     for tokens in ([1, 21] if tiny else [1, 16, 64, 8192]):
         for fmt in ("bf16", "fp8", "fp8-a8", "fp4"):
             yield Case(f"fused_moe {fmt} T={tokens} E={experts} k={top_k}",
@@ -174,6 +178,26 @@ def _compress(ops, reference, query_lens, width, ratio, overlap, gen, device):
     windows = sum((c + q) // ratio - c // ratio for c, q in zip(contexts, query_lens))
     nbytes = 2 * (2 * tokens * proj + 2 * seqs * span * proj + windows * width)
     return kernel, lambda: run(reference)[2][changed], 0, nbytes, NORM_TOL, False
+
+
+def _indexer(ops, reference, seqs, q_len, ctx, tiny, gen, device):
+    """Picked entries as a [T, entries] membership, so that two entries whose float32 scores tie to the
+    summation order's rounding may swap (the order of the rest is compared by the tests)."""
+    heads, dim, topk, ratio = (8, 16, 5, 4) if tiny else (64, 128, 512, 4)
+    batch, num_blocks = attention_batch(seqs, q_len, ctx, 128, device)
+    keys = torch.randn(num_blocks, 128 // ratio, dim, device=device, generator=gen).to(torch.bfloat16)
+    q = torch.randn(batch.num_tokens, heads, dim, device=device, generator=gen).to(torch.bfloat16)
+    weights = torch.randn(batch.num_tokens, heads, device=device, generator=gen).to(torch.bfloat16)
+    width = (ctx + q_len) // ratio
+
+    def picked(o):
+        ids = o.indexer_topk(q, weights, keys, ratio, topk, batch)
+        member = torch.zeros(ids.shape[0], width + 1, device=device)
+        return member.scatter_(1, torch.where(ids < 0, width, ids), 1.0)[:, :width]
+
+    flops = 2 * batch.num_tokens * heads * dim * width
+    nbytes = 2 * (seqs * width * dim + batch.num_tokens * heads * dim) + 8 * batch.num_tokens * topk
+    return lambda: picked(ops), lambda: picked(reference), flops, nbytes, 2e-2, False
 
 
 def stacked_experts(num: int, hidden: int, inter: int, fmt: str, gen, device, block) -> tuple[list[MlpWeights], float]:
