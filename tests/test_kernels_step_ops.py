@@ -85,7 +85,7 @@ def test_indexer_topk_matches_reference_across_tiles(dtype, batch_invariant):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_indexer_topk_decode_step_matches_reference_with_ties(dtype):
-    """Decode steps take their own score kernel (all heads in one product) and the in-register top-k.
+    """Decode steps take their own score kernel (all heads in one product) and the rank kernel.
     Repeated keys tie exactly, and zero keys score 0 (-0.0 where every head weight is negative): the
     ties must go to the lowest entry, and the top-k spans several 64-entry score tiles."""
     from deepinfer_core.platform.op_cases import _step_batch

@@ -12,10 +12,11 @@ then sums over the heads, where the tiled kernel loops over the heads one produc
 that loop was the whole cost: 26 us a layer at 1,024 entries).
 
 The top-k keeps the reference's order: descending score, ties broken towards the lowest entry (a
-stable sort). In a decode step, rows of up to `TOPK_IN_KERNEL_WIDTH` entries take one program each,
-which sorts 64-bit keys (the score's order-preserving bits, then the entry's complement) in registers:
-one launch where torch's sort and its selects took 12 (22 us of sort at batch 1). Other steps, and
-wider rows, take torch's sort (the interpreter the tests run through needs ~0.4 s a row for the kernel).
+stable sort). Steps of few rows and entries (decode) rank instead of sorting: an entry's place is the
+number of entries ahead of it, counted against the whole row, and entries placed inside the top-k
+write themselves there. One launch of many programs, where torch's sort and its selects took 12 and
+one program a row. A bitonic top-k in Triton (`tl.topk` on 64-bit keys) took 20-45 us a row.
+Larger steps take torch's sort.
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ import triton.language as tl
 
 from deepinfer_core.models.forward_batch import ForwardBatch
 
-__all__ = ["TOPK_IN_KERNEL_WIDTH", "indexer_topk", "indexer_supported", "tile_config"]
+__all__ = ["indexer_topk", "indexer_supported", "tile_config"]
 
-# Widest row the top-k kernel sorts in registers (a 32K-token context at ratio 4: 64 KB of keys).
-TOPK_IN_KERNEL_WIDTH = 8192
 # Entries a tile of the decode score kernel.
 _DECODE_BLOCK_W = 64
-# -inf's float32 bits (0xFF800000) as the top-k kernel orders them: a negative float's bits flipped but the sign.
-_NEG_INF_KEY = -0x00800000 ^ 0x7FFFFFFF
+# The rank kernel compares every entry of a row with every other. On an H200 (a graph replay, against
+# torch's sort path): 5 / 10 / 31 us against 29 / 34 / 35 at 1 / 16 / 64 rows of 1,056 entries (a 4K
+# context at ratio 4), 26 against 59 at one row of 8,200, but 100 against 37 at 64 rows of 2,112. Steps
+# of up to this many comparisons take it, larger ones the sort. (Entries ranked a program, compared an
+# iteration: the best of seven tiles.)
+_RANK_COMPARISONS = 1 << 27
+_RANK_BLOCK_E, _RANK_BLOCK_C = 16, 256
 
 
 def tile_config(decode_step: bool, batch_invariant: bool) -> tuple[int, int]:
@@ -116,22 +120,22 @@ def _decode_scores_kernel(
 
 
 @triton.jit
-def _topk_kernel(
-    scores_ptr, out_ptr, width, topk, stride_scores, stride_out,
-    WIDTH: tl.constexpr, K: tl.constexpr, NEG_INF_KEY: tl.constexpr,
+def _rank_kernel(
+    scores_ptr, out_ptr, width, topk, stride_scores, stride_out, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    # One row: 64-bit keys whose signed order is (score descending, entry ascending), the top K of them by
-    # a bitonic top-k, decoded back to entries (-1 where the score is -inf: not visible, or padding).
+    # An entry's place in the reference's order (score descending, ties to the lowest entry) is the count
+    # of entries before it; those that land inside the top-k write their id there (-1 for -inf scores).
     row = tl.program_id(0).to(tl.int64)
-    w = tl.arange(0, WIDTH)
-    score = tl.load(scores_ptr + row * stride_scores + w, mask=w < width, other=float("-inf"))
-    bits = (score + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 becomes 0.0, which the reference ties with it
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # as signed integers, ordered as the floats
-    top = tl.topk((ordered.to(tl.int64) << 32) | (WIDTH - 1 - w).to(tl.int64), K)
-    entry = (WIDTH - 1 - top.to(tl.int32)).to(tl.int64)  # the low 32 bits
-    j = tl.arange(0, K)
-    tl.store(out_ptr + row * stride_out + j, tl.where((top >> 32) > NEG_INF_KEY, entry, -1),
-             mask=j < tl.minimum(topk, width))
+    mine = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    score = tl.load(scores_ptr + row * stride_scores + mine, mask=mine < width, other=float("-inf"))
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, width, BLOCK_C):
+        other = c0 + tl.arange(0, BLOCK_C)
+        s = tl.load(scores_ptr + row * stride_scores + other, mask=other < width, other=float("-inf"))
+        ahead = (s[None, :] > score[:, None]) | ((s[None, :] == score[:, None]) & (other[None, :] < mine[:, None]))
+        before += tl.sum(ahead.to(tl.int32), axis=1)
+    picked = tl.where(score > float("-inf"), mine.to(tl.int64), -1)
+    tl.store(out_ptr + row * stride_out + before, picked, mask=(mine < width) & (before < topk))
 
 
 def indexer_supported(q: torch.Tensor, index_keys: torch.Tensor) -> bool:
@@ -189,14 +193,12 @@ def indexer_topk(
             q, head_weights, *paging, tiles[0], tiles[1], tiles[2], scores, h, ratio, *strides,
             h ** -0.5, di ** -0.5, w_tiles, DI=di, IEEE=q.dtype == torch.float32, BLOCK_Q=block_q, BLOCK_W=block_w,
         )
-    k = min(topk, width)
-    if decode_step and width <= TOPK_IN_KERNEL_WIDTH:
-        _topk_kernel[(t,)](
-            scores, out, width, topk, scores.stride(0), out.stride(0),
-            WIDTH=triton.next_power_of_2(width), K=triton.next_power_of_2(k), NEG_INF_KEY=_NEG_INF_KEY,
-            num_warps=4 if width <= 2048 else 8,
+    if t * width * width <= _RANK_COMPARISONS:
+        _rank_kernel[(t, triton.cdiv(width, _RANK_BLOCK_E))](
+            scores, out, width, topk, scores.stride(0), out.stride(0), BLOCK_E=_RANK_BLOCK_E, BLOCK_C=_RANK_BLOCK_C,
         )
         return out
+    k = min(topk, width)
     ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
     out[:, :k] = torch.where(torch.isfinite(ranked[:, :k]), order[:, :k], -1)
     return out
