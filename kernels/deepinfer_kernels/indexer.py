@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 
 __all__ = ["TOPK_IN_KERNEL_WIDTH", "indexer_topk", "indexer_supported", "tile_config"]
 
@@ -48,8 +49,9 @@ def tile_config(decode_step: bool, batch_invariant: bool) -> tuple[int, int]:
 def _indexer_scores_kernel(
     q_ptr, hw_ptr, keys_ptr, tables_ptr, n_entries_ptr, pos_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr,
     out_ptr, H, ratio, per_block, stride_table, stride_page, stride_slot, stride_out, head_scale, dim_scale, W_TILES,
-    DI: tl.constexpr, IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr,
+    DI: tl.constexpr, IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     # All entry tiles of a query tile, then the next: they run side by side and read the tile's queries
     # (all heads) once from memory. Query tiles first re-read every query once per entry tile.
     tile = tl.program_id(0) // W_TILES
@@ -87,8 +89,9 @@ def _indexer_scores_kernel(
 def _decode_scores_kernel(
     q_ptr, hw_ptr, keys_ptr, tables_ptr, n_entries_ptr, pos_ptr, out_ptr, H, ratio, per_block, stride_table,
     stride_page, stride_slot, stride_out, head_scale, dim_scale,
-    DI: tl.constexpr, HEADS: tl.constexpr, IEEE: tl.constexpr, BLOCK_W: tl.constexpr,
+    DI: tl.constexpr, HEADS: tl.constexpr, IEEE: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     # program (sequence, entry tile): the sequence's one query row is its index
     seq = tl.program_id(0)
     w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -118,8 +121,9 @@ def _decode_scores_kernel(
 @triton.jit
 def _topk_kernel(
     scores_ptr, out_ptr, width, topk, stride_scores, stride_out,
-    WIDTH: tl.constexpr, K: tl.constexpr, NEG_INF_KEY: tl.constexpr,
+    WIDTH: tl.constexpr, K: tl.constexpr, NEG_INF_KEY: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     # One row: 64-bit keys whose signed order is (score descending, entry ascending), the top K of them by
     # a bitonic top-k, decoded back to entries (-1 where the score is -inf: not visible, or padding).
     row = tl.program_id(0).to(tl.int64)
@@ -180,6 +184,7 @@ def indexer_topk(
         _decode_scores_kernel[(t, triton.cdiv(width, _DECODE_BLOCK_W))](
             q, head_weights, *paging, scores, h, ratio, *strides, h ** -0.5, di ** -0.5,
             DI=di, HEADS=max(16, triton.next_power_of_2(h)), IEEE=q.dtype == torch.float32, BLOCK_W=_DECODE_BLOCK_W,
+            **launch_options(q.device),
         )
     else:
         block_q, block_w = tile_config(decode_step, batch_invariant)
@@ -188,13 +193,14 @@ def indexer_topk(
         _indexer_scores_kernel[(tiles.shape[1] * w_tiles,)](
             q, head_weights, *paging, tiles[0], tiles[1], tiles[2], scores, h, ratio, *strides,
             h ** -0.5, di ** -0.5, w_tiles, DI=di, IEEE=q.dtype == torch.float32, BLOCK_Q=block_q, BLOCK_W=block_w,
+            **launch_options(q.device),
         )
     k = min(topk, width)
     if decode_step and width <= TOPK_IN_KERNEL_WIDTH:
         _topk_kernel[(t,)](
             scores, out, width, topk, scores.stride(0), out.stride(0),
             WIDTH=triton.next_power_of_2(width), K=triton.next_power_of_2(k), NEG_INF_KEY=_NEG_INF_KEY,
-            num_warps=4 if width <= 2048 else 8,
+            num_warps=4 if width <= 2048 else 8, **launch_options(q.device),
         )
         return out
     ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
