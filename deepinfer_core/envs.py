@@ -17,6 +17,7 @@ __all__ = [
     "accelerator",
     "batch_invariant",
     "hf_model_dir",
+    "pdl",
 ]
 
 
@@ -52,7 +53,14 @@ BATCH_INVARIANT = EnvVar(
     "any batch. The backend must report the `batch_invariant` capability.",
 )
 
-ENV_VARS: tuple[EnvVar, ...] = (ACCELERATOR, HF_MODEL_DIR, BATCH_INVARIANT)
+PDL = EnvVar(
+    "DEEPINFER_PDL",
+    "1",
+    "`0` turns off programmatic dependent launch of the Triton kernels (on sm_90 and newer a kernel is "
+    "launched while the one before it drains), to measure what it saves.",
+)
+
+ENV_VARS: tuple[EnvVar, ...] = (ACCELERATOR, HF_MODEL_DIR, BATCH_INVARIANT, PDL)
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -88,3 +96,8 @@ def hf_model_dir() -> Path | None:
 def batch_invariant() -> bool:
     """Whether batch-invariant mode is requested."""
     return _flag(BATCH_INVARIANT)
+
+
+def pdl() -> bool:
+    """Whether the Triton kernels may use programmatic dependent launch."""
+    return _flag(PDL)

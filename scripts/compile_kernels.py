@@ -109,6 +109,7 @@ def _loop_spills(sass: str) -> int:
 
 
 def _compile(fn, types, consts, warps, stages, capability) -> str:
+    consts = dict(consts, PDL=True)  # the GPU path: each kernel waits for the previous one (`dependent_launch`)
     signature = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     divisible = [n for n in fn.arg_names if n not in consts and n not in NOT_DIVISIBLE and types[n] != "fp32"]
     source = ASTSource(fn=fn, signature=signature,

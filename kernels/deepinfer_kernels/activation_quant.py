@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
+
 __all__ = ["fp8_activation_tiles_supported", "quantize_fp8_rows"]
 
 
@@ -45,8 +47,9 @@ def _round_to_e4m3(v):
 @triton.jit
 def _quantize_rows_kernel(
     x_ptr, codes_ptr, scales_ptr, M, K, stride_xm, stride_cm, stride_sm,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     group = tl.program_id(1)
     offs_k = group * GROUP + tl.arange(0, GROUP)
@@ -71,6 +74,6 @@ def quantize_fp8_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
     block_m = 16
     _quantize_rows_kernel[(triton.cdiv(rows, block_m), scales.shape[1])](
         x, codes, scales, rows, cols, x.stride(0), codes.stride(0), scales.stride(0),
-        GROUP=group, BLOCK_M=block_m, num_warps=4,
+        GROUP=group, BLOCK_M=block_m, num_warps=4, **launch_options(x.device),
     )
     return codes, scales

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 
 __all__ = ["store_window"]
 
@@ -14,8 +15,9 @@ __all__ = ["store_window"]
 @triton.jit
 def _store_window_kernel(
     kv_ptr, window_ptr, pos_ptr, row_seq_ptr, slot_ptr, end_ptr, ring, D, stride_slot, stride_ring,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     row = tl.program_id(0)
     seq = tl.load(row_seq_ptr + row)
     pos = tl.load(pos_ptr + row)
@@ -37,4 +39,5 @@ def store_window(kv: torch.Tensor, window: torch.Tensor, batch: ForwardBatch) ->
     _store_window_kernel[(t,)](
         kv.contiguous(), window, batch.positions, batch.row_sequences(), batch.slot_ids, batch.context_lens + query_lens,
         window.shape[1], d, window.stride(0), window.stride(1), BLOCK_D=triton.next_power_of_2(d),
+        **launch_options(kv.device),
     )

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 
 __all__ = ["compress_kv", "compress_supported", "is_decode_step"]
 
@@ -79,8 +80,9 @@ def _compress_windows_kernel(
     kv_ptr, gate_ptr, stride_kv, stride_gate, ape_ptr, norm_ptr, freq_ptr, state_kv_ptr, state_gate_ptr,
     stride_slot, stride_pos, entries_ptr, stride_block, stride_entry, slot_ptr, ctx_ptr, start_ptr, table_ptr,
     stride_table, P, width, span, block_size, eps, RATIO: tl.constexpr, OVERLAP: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr, ONE_TOKEN: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr, ONE_TOKEN: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     seq = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + seq).to(tl.int64)
     ctx = tl.load(ctx_ptr + seq).to(tl.int64)
@@ -147,9 +149,10 @@ def _compress_windows_kernel(
 @triton.jit
 def _store_states_kernel(
     kv_ptr, gate_ptr, stride_kv, stride_gate, state_kv_ptr, state_gate_ptr, stride_slot, stride_pos, slot_ptr,
-    ctx_ptr, start_ptr, P, span, BLOCK_P: tl.constexpr,
+    ctx_ptr, start_ptr, P, span, BLOCK_P: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (i, j): the j-th of sequence i's last min(q, span) positions into its state."""
+    wait_for_previous_grid(PDL)
     seq = tl.program_id(0).to(tl.int64)
     row0 = tl.load(start_ptr + seq).to(tl.int64)
     q = tl.load(start_ptr + seq + 1).to(tl.int64) - row0
@@ -226,9 +229,10 @@ def compress_kv(
         proj, width, span, ratio * entries.shape[1], norm_eps, RATIO=ratio, OVERLAP=overlap, HALF=half,
         BLOCK_P=triton.next_power_of_2(proj), BLOCK_W=block_w,
         CHUNK=min(triton.next_power_of_2(num_slots), max(1, TILE_ELEMENTS // block_w)), ONE_TOKEN=one_token,
+        **launch_options(kv.device),
     )
     if not one_token:
         _store_states_kernel[(seqs, min(longest, span))](
             kv, gate, kv.stride(0), gate.stride(0), state_kv, state_gate, state_kv.stride(0), state_kv.stride(1),
-            *sequences, proj, span, BLOCK_P=min(triton.next_power_of_2(proj), 1024),
+            *sequences, proj, span, BLOCK_P=min(triton.next_power_of_2(proj), 1024), **launch_options(kv.device),
         )

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from deepinfer_core.platform.kernel_ops import MlpWeights
 from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, quantize_fp8_rows
+from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 from deepinfer_kernels.moe_plan import moe_plan
 from deepinfer_kernels.weight_tiles import (
     FP4_SMALL_SCALES, as_kernel_weight, e8m0_to_float, fp4_scales_small, load_weight_tile, weight_format,
@@ -64,8 +65,9 @@ def _gate_up_kernel(
     stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
-    SHARED: tl.constexpr,
+    SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     # All column tiles of a row block, then the next: programs start in id order, so a block's rows are
     # read from memory once and stay in L2 while an expert's weight streams past them. (Walking down the
     # columns instead re-read every row once per column: 57k rows x 2,048 of `down`'s input at 8,192
@@ -128,8 +130,9 @@ def _down_kernel(
     stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
-    SHARED: tl.constexpr,
+    SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)  # row block by row block, as in `_gate_up_kernel`
     pid_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -182,10 +185,11 @@ _SUM_COLUMNS = 1024
 
 
 @triton.jit
-def _sum_slots_kernel(y_ptr, out_ptr, D, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _sum_slots_kernel(y_ptr, out_ptr, D, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """out[t] = y[t, 0] + y[t, 1] + ... in float32, in slot order (the shared expert last): a token's sum
     never depends on the batch. 0.84 of the copy bandwidth at 8,192 tokens, torch's sum over the slot dim
     0.50 (BENCHMARKS.md)."""
+    wait_for_previous_grid(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = cols < D
@@ -289,7 +293,7 @@ def moe_routed(
         x_in.stride(0), x_scales.stride(0), w1.stride(0), w1.stride(1), se, sn, act.stride(0),
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, SHARED=fused,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **launch_options(x.device),
     )
     held_all = bool(experts.num_held == experts.local_ids.shape[0])
     alloc = torch.empty if held_all else torch.zeros
@@ -301,9 +305,11 @@ def moe_routed(
         act_in.stride(0), act_scales.stride(0), w2.stride(0), w2.stride(1), se2, sn2, y.stride(0),
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, SHARED=fused,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **launch_options(x.device),
     )
     total = torch.empty((tokens, hidden), dtype=torch.float32, device=x.device)
     if tokens:
-        _sum_slots_kernel[(tokens, triton.cdiv(hidden, _SUM_COLUMNS))](y, total, hidden, SLOTS=slots, BLOCK_D=_SUM_COLUMNS)
+        _sum_slots_kernel[(tokens, triton.cdiv(hidden, _SUM_COLUMNS))](
+            y, total, hidden, SLOTS=slots, BLOCK_D=_SUM_COLUMNS, **launch_options(y.device)
+        )
     return total

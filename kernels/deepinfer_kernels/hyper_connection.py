@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
+
 __all__ = ["hc_collapse", "hc_head_weights", "hc_mix", "hc_update", "tile_config"]
 
 
@@ -32,8 +34,9 @@ def tile_config(tokens: int, batch_invariant: bool) -> tuple[int, int, int, int]
 def _hc_mix_partial_kernel(
     x_ptr, fn_ptr, part_ptr, T, K, FN_ROWS,
     FNP: tl.constexpr, WIDTH: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_BF16: tl.constexpr,
+    SPLIT_BF16: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     # Partial dot products of one K chunk with every row of fn in one product (pre | post | comb rows,
     # padded to FNP >= 16 columns), and the sum of squares: part[chunk, t] = [fn @ x (FNP) | sum x^2].
     chunk = tl.program_id(1)
@@ -85,8 +88,9 @@ def _pick(sums, cols, wanted):
 def _hc_mix_epilogue_kernel(
     part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, CHUNKS, norm_eps, hc_eps,
     N: tl.constexpr, NP: tl.constexpr, PN: tl.constexpr, FNP: tl.constexpr, WIDTH: tl.constexpr,
-    ITERS: tl.constexpr, PRE_ONLY: tl.constexpr, CHUNKS_P2: tl.constexpr, WIDTH_P2: tl.constexpr,
+    ITERS: tl.constexpr, PRE_ONLY: tl.constexpr, CHUNKS_P2: tl.constexpr, WIDTH_P2: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     # One row: all its chunks' partial sums in one load, reduced in one tree (the same for every row).
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, CHUNKS_P2)
@@ -170,19 +174,21 @@ def _mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, batch_invar
     _hc_mix_partial_kernel[(triton.cdiv(t, block_t), chunks)](
         x, fn.float().contiguous(), parts, t, k, fn.shape[0],
         FNP=fnp, WIDTH=width, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k,
-        SPLIT_BF16=x.dtype == torch.bfloat16, num_warps=warps,
+        SPLIT_BF16=x.dtype == torch.bfloat16, num_warps=warps, **launch_options(x.device),
     )
     chunks_p2, width_p2 = triton.next_power_of_2(chunks), triton.next_power_of_2(width)
     _hc_mix_epilogue_kernel[(t,)](
         parts, base.float().contiguous(), scale.float().contiguous(), pre, post, comb, t, k, chunks,
         norm_eps, hc_eps, N=n, NP=np_, PN=pn, FNP=fnp, WIDTH=width, ITERS=sinkhorn_iters, PRE_ONLY=pre_only,
         CHUNKS_P2=chunks_p2, WIDTH_P2=width_p2, num_warps=_epilogue_warps(chunks_p2 * width_p2),
+        **launch_options(parts.device),
     )
     return pre, post, comb
 
 
 @triton.jit
-def _hc_collapse_kernel(s_ptr, pre_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _hc_collapse_kernel(s_ptr, pre_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = cols < D
@@ -200,15 +206,18 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, d, dtype=streams.dtype, device=streams.device)
     if t:
         block = min(1024, triton.next_power_of_2(d))
-        _hc_collapse_kernel[(t, triton.cdiv(d, block))](streams, pre.float().contiguous(), out, d, N=n, BLOCK_D=block)
+        _hc_collapse_kernel[(t, triton.cdiv(d, block))](
+            streams, pre.float().contiguous(), out, d, N=n, BLOCK_D=block, **launch_options(streams.device)
+        )
     return out
 
 
 @triton.jit
 def _hc_update_kernel(
     o_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, D,
-    N: tl.constexpr, ROUND_TERMS: tl.constexpr, BLOCK_D: tl.constexpr,
+    N: tl.constexpr, ROUND_TERMS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = cols < D
@@ -246,6 +255,6 @@ def hc_update(
         block = min(1024, triton.next_power_of_2(d))
         _hc_update_kernel[(t, triton.cdiv(d, block))](
             block_out.contiguous(), streams, post.float().contiguous(), comb.float().contiguous(), out, d,
-            N=n, ROUND_TERMS=round_terms, BLOCK_D=block,
+            N=n, ROUND_TERMS=round_terms, BLOCK_D=block, **launch_options(streams.device),
         )
     return out

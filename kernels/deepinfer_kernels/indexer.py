@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 
 __all__ = ["indexer_topk", "indexer_supported", "tile_config"]
 
@@ -52,8 +53,9 @@ def tile_config(decode_step: bool, batch_invariant: bool) -> tuple[int, int]:
 def _indexer_scores_kernel(
     q_ptr, hw_ptr, keys_ptr, tables_ptr, n_entries_ptr, pos_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr,
     out_ptr, H, ratio, per_block, stride_table, stride_page, stride_slot, stride_out, head_scale, dim_scale, W_TILES,
-    DI: tl.constexpr, IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr,
+    DI: tl.constexpr, IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     # All entry tiles of a query tile, then the next: they run side by side and read the tile's queries
     # (all heads) once from memory. Query tiles first re-read every query once per entry tile.
     tile = tl.program_id(0) // W_TILES
@@ -91,8 +93,9 @@ def _indexer_scores_kernel(
 def _decode_scores_kernel(
     q_ptr, hw_ptr, keys_ptr, tables_ptr, n_entries_ptr, pos_ptr, out_ptr, H, ratio, per_block, stride_table,
     stride_page, stride_slot, stride_out, head_scale, dim_scale,
-    DI: tl.constexpr, HEADS: tl.constexpr, IEEE: tl.constexpr, BLOCK_W: tl.constexpr,
+    DI: tl.constexpr, HEADS: tl.constexpr, IEEE: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     # program (sequence, entry tile): the sequence's one query row is its index
     seq = tl.program_id(0)
     w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -121,8 +124,10 @@ def _decode_scores_kernel(
 
 @triton.jit
 def _rank_kernel(
-    scores_ptr, out_ptr, width, topk, stride_scores, stride_out, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+    scores_ptr, out_ptr, width, topk, stride_scores, stride_out,
+    BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     # An entry's place in the reference's order (score descending, ties to the lowest entry) is the count
     # of entries before it; those that land inside the top-k write their id there (-1 for -inf scores).
     row = tl.program_id(0).to(tl.int64)
@@ -184,6 +189,7 @@ def indexer_topk(
         _decode_scores_kernel[(t, triton.cdiv(width, _DECODE_BLOCK_W))](
             q, head_weights, *paging, scores, h, ratio, *strides, h ** -0.5, di ** -0.5,
             DI=di, HEADS=max(16, triton.next_power_of_2(h)), IEEE=q.dtype == torch.float32, BLOCK_W=_DECODE_BLOCK_W,
+            **launch_options(q.device),
         )
     else:
         block_q, block_w = tile_config(decode_step, batch_invariant)
@@ -192,10 +198,12 @@ def indexer_topk(
         _indexer_scores_kernel[(tiles.shape[1] * w_tiles,)](
             q, head_weights, *paging, tiles[0], tiles[1], tiles[2], scores, h, ratio, *strides,
             h ** -0.5, di ** -0.5, w_tiles, DI=di, IEEE=q.dtype == torch.float32, BLOCK_Q=block_q, BLOCK_W=block_w,
+            **launch_options(q.device),
         )
     if t * width * width <= _RANK_COMPARISONS:
         _rank_kernel[(t, triton.cdiv(width, _RANK_BLOCK_E))](
             scores, out, width, topk, scores.stride(0), out.stride(0), BLOCK_E=_RANK_BLOCK_E, BLOCK_C=_RANK_BLOCK_C,
+            **launch_options(q.device),
         )
         return out
     k = min(topk, width)

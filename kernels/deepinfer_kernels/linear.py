@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, quantize_fp8_rows
+from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 from deepinfer_kernels.weight_tiles import as_kernel_weight, e8m0_to_float, load_weight_tile, weight_format
 
 __all__ = ["BATCH_INVARIANT_ROWS", "grouped_linear", "linear", "linear_supported", "split_k", "tile_config"]
@@ -36,7 +37,9 @@ def _linear_kernel(
     stride_xg, stride_xsg, stride_wg, stride_sg, stride_yg,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     # axis 2: the group, then this program's K range (with several, each writes a float32 partial sum)
@@ -180,7 +183,7 @@ def grouped_linear(
         out.stride(1),
         FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-        A8=a8, num_warps=warps, num_stages=stages,
+        A8=a8, num_warps=warps, num_stages=stages, **launch_options(x.device),
     )
     return out
 

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
+
 __all__ = ["moe_plan"]
 
 # Pairs per chunk: a [CHUNK, CHUNK] comparison ranks a chunk's pairs; prefill-sized steps take 128.
@@ -45,8 +47,9 @@ def _pair_experts(ids_ptr, local_ids_ptr, offs, valid, NUM_ROUTED, TOP_K, SHARED
 @triton.jit
 def _histogram_kernel(
     ids_ptr, local_ids_ptr, tally_ptr, PAIRS, NUM_ROUTED, TOP_K,
-    CHUNK: tl.constexpr, BINS: tl.constexpr, SHARED: tl.constexpr,
+    CHUNK: tl.constexpr, BINS: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     chunk = tl.program_id(0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = offs < PAIRS
@@ -57,7 +60,10 @@ def _histogram_kernel(
 
 
 @triton.jit
-def _scan_kernel(tally_ptr, NUM_CHUNKS, BLOCK_M: tl.constexpr, BINS: tl.constexpr, SCAN_ROWS: tl.constexpr):
+def _scan_kernel(
+    tally_ptr, NUM_CHUNKS, BLOCK_M: tl.constexpr, BINS: tl.constexpr, SCAN_ROWS: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_previous_grid(PDL)
     # Rows 0..NUM_CHUNKS-1 become exclusive prefixes over chunks; then run start, count, run end.
     bins = tl.arange(0, BINS)
     seen = tl.zeros((BINS,), dtype=tl.int32)
@@ -79,7 +85,9 @@ def _scan_kernel(tally_ptr, NUM_CHUNKS, BLOCK_M: tl.constexpr, BINS: tl.constexp
 def _place_kernel(
     ids_ptr, local_ids_ptr, tally_ptr, row_entry_ptr, block_expert_ptr, PAIRS, NUM_ROUTED, TOP_K, ROWS,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr, LOG2_BINS: tl.constexpr, SHARED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     pid = tl.program_id(0)
     num_held = NUM_ROUTED + SHARED
     num_chunks = tl.cdiv(PAIRS, CHUNK)
@@ -135,12 +143,15 @@ def moe_plan(ids: torch.Tensor, local_ids: torch.Tensor, num_routed: int, block_
     tally = torch.empty((num_chunks + 3, bins), dtype=torch.int32, device=ids.device)
     flat_ids = ids.reshape(-1)
     _histogram_kernel[(num_chunks,)](
-        flat_ids, local_ids, tally, pairs, num_routed, top_k, CHUNK=chunk, BINS=bins, SHARED=shared
+        flat_ids, local_ids, tally, pairs, num_routed, top_k, CHUNK=chunk, BINS=bins, SHARED=shared,
+        **launch_options(ids.device),
     )
-    _scan_kernel[(1,)](tally, num_chunks, BLOCK_M=block_m, BINS=bins, SCAN_ROWS=_SCAN_ROWS, num_warps=8)
+    _scan_kernel[(1,)](
+        tally, num_chunks, BLOCK_M=block_m, BINS=bins, SCAN_ROWS=_SCAN_ROWS, num_warps=8, **launch_options(ids.device)
+    )
     _place_kernel[(max(num_chunks, triton.cdiv(rows, chunk)),)](
         flat_ids, local_ids, tally, row_entry, block_expert, pairs, num_routed, top_k, rows,
         BLOCK_M=block_m, CHUNK=chunk, BINS=bins, LOG2_BINS=bins.bit_length() - 1, SHARED=shared,
-        num_warps=8 if chunk > 64 else 4,
+        num_warps=8 if chunk > 64 else 4, **launch_options(ids.device),
     )
     return row_entry, block_expert

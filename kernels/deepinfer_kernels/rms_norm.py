@@ -6,11 +6,16 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
+
 __all__ = ["rms_norm"]
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, eps, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -32,6 +37,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     # NOTE: one row per program keeps the whole row in registers; 8 warps past 2k columns keeps it under 64 regs/thread.
     _rms_norm_kernel[(rows.shape[0],)](
         rows, weight if weight is not None else rows, out, rows.stride(0), out.stride(0), d, eps,
-        HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+        HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4, **launch_options(x.device),
     )
     return out.view(x.shape)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
+
 __all__ = ["rope", "rope_supported", "rotate_tile"]
 
 # Rows per program: one head's 32 rotated pairs alone are too little work for a program.
@@ -21,8 +23,9 @@ ROWS = 16
 @triton.jit
 def _rope_kernel(
     x_ptr, pos_ptr, freq_ptr, out_ptr, num_rows, rows_per_token, D, HALF: tl.constexpr, SIGN: tl.constexpr,
-    BLOCK_D: tl.constexpr, IN_PLACE: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr, IN_PLACE: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     live = rows < num_rows
     base = rows * D
@@ -83,7 +86,7 @@ def rope(
         _rope_kernel[(triton.cdiv(rows, ROWS),)](
             x, positions.contiguous(), inv_freq.float().contiguous(), out, rows, rows // x.shape[0], d,
             HALF=half, SIGN=-1.0 if inverse else 1.0, BLOCK_D=triton.next_power_of_2(max(d - 2 * half, 1)),
-            IN_PLACE=in_place, ROWS=ROWS,
+            IN_PLACE=in_place, ROWS=ROWS, **launch_options(x.device),
         )
     return out
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
+
 __all__ = ["SCORE_FUNCTIONS", "route_logits", "routing_supported"]
 
 SCORE_FUNCTIONS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
@@ -43,8 +45,9 @@ def _route_kernel(
     logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, weights_ptr, ids_ptr,
     E, TOP_K, stride_l, stride_table, temp, scaling,
     SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASHED: tl.constexpr, NORMALIZE: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     token = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK_E)
     in_e = lanes < E
@@ -128,5 +131,6 @@ def route_logits(
         SCORE=SCORE_FUNCTIONS.get(scoring_func, SCORE_FUNCTIONS["softmax"]), HAS_BIAS=bias is not None,
         HASHED=hashed, NORMALIZE=normalize,
         BLOCK_E=max(16, triton.next_power_of_2(experts)), BLOCK_K=max(2, triton.next_power_of_2(top_k)),
+        **launch_options(logits.device),
     )
     return weights, ids

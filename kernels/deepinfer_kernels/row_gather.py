@@ -11,13 +11,18 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
+
 __all__ = ["gather_rows"]
 
 ROWS_PER_PROGRAM = 16
 
 
 @triton.jit
-def _gather_rows_kernel(table_ptr, ids_ptr, out_ptr, n, words, ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
+def _gather_rows_kernel(
+    table_ptr, ids_ptr, out_ptr, n, words, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_previous_grid(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = rows < n
     ids = tl.load(ids_ptr + rows, mask=live, other=0).to(tl.int64)
@@ -37,6 +42,6 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     if ids.shape[0]:
         _gather_rows_kernel[(triton.cdiv(ids.shape[0], ROWS_PER_PROGRAM),)](
             words, ids, out, ids.shape[0], words.shape[1],
-            ROWS=ROWS_PER_PROGRAM, BLOCK_W=triton.next_power_of_2(words.shape[1]),
+            ROWS=ROWS_PER_PROGRAM, BLOCK_W=triton.next_power_of_2(words.shape[1]), **launch_options(ids.device),
         )
     return out.view(torch.uint8).view(table.dtype)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 from deepinfer_kernels.rope import rotate_tile
 
 __all__ = ["key_splits", "sparse_attention", "tile_config"]
@@ -65,8 +66,9 @@ def _sparse_attention_kernel(
     stride_ot, stride_oh,
     HAS_ENTRIES: tl.constexpr, HAS_SELECTED: tl.constexpr, ROUND: tl.constexpr, IEEE: tl.constexpr,
     FIXED_KEY_BLOCKS: tl.constexpr, HAS_WINDOW_STARTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLITS: tl.constexpr, ROTARY: tl.constexpr, Q_NORM: tl.constexpr,
+    SPLITS: tl.constexpr, ROTARY: tl.constexpr, Q_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     t = tl.program_id(0)
     split = tl.program_id(2)
     first = split * BLOCK_N  # this split's first key block in every run, then every SPLITS-th
@@ -169,8 +171,9 @@ def _sparse_attention_kernel(
 @triton.jit
 def _combine_splits_kernel(
     part_ptr, stats_ptr, out_ptr, positions_ptr, freq_ptr, H, D, rope_half, stride_ot, stride_oh,
-    SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -266,11 +269,11 @@ def sparse_attention(
         IEEE=q.dtype == torch.float32, FIXED_KEY_BLOCKS=batch_invariant,
         HAS_WINDOW_STARTS=batch.window_starts_cpu is not None, BLOCK_H=block_h, BLOCK_N=block_n,
         BLOCK_D=block_d, SPLITS=splits, ROTARY=rotary, Q_NORM=q_norm_eps is not None, num_warps=warps,
-        num_stages=stages,
+        num_stages=stages, **launch_options(q.device),
     )
     if splits > 1:
         _combine_splits_kernel[(tokens, heads)](
             part, stats, out, batch.positions, freq, heads, dim, rope_half, out.stride(0), out.stride(1),
-            SPLITS=splits, BLOCK_D=block_d, ROTARY=rotary, num_warps=4,
+            SPLITS=splits, BLOCK_D=block_d, ROTARY=rotary, num_warps=4, **launch_options(q.device),
         )
     return out
