@@ -41,12 +41,13 @@ _RANK_COMPARISONS = 1 << 27
 _RANK_BLOCK_E, _RANK_BLOCK_C = 16, 256
 
 
-def tile_config(decode_step: bool, batch_invariant: bool) -> tuple[int, int]:
-    """(BLOCK_Q, BLOCK_W) of the score kernel. From an H200 sweep (BENCHMARKS.md), scores and sort at V4-Flash
-    widths: 64 query rows a tile at 8,192 tokens (1.45 -> 0.88 ms, 0.52 of it the sort), 16 at decode
-    (64 sequences at 4,096: 0.149 -> 0.119 ms); 128 entries a tile for both. The batch-invariant mode keeps
-    16 rows whatever the step: the MMA shape, hence a score's rounding, would otherwise depend on it."""
-    return (16 if decode_step or batch_invariant else 64), 128
+def tile_config(batch_invariant: bool) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_W) of the tiled score kernel (prefill and mixed steps; every step in batch-invariant
+    mode). From an H200 sweep (BENCHMARKS.md, scores and sort at V4-Flash widths): 64 query rows a tile
+    at 8,192 tokens (1.45 -> 0.88 ms, 0.52 of it the sort), 128 entries. The batch-invariant mode keeps 16
+    rows whatever the step, the size that suited its decode steps: the MMA shape, hence a score's
+    rounding, would otherwise depend on the step."""
+    return (16 if batch_invariant else 64), 128
 
 
 @triton.jit
@@ -192,7 +193,7 @@ def indexer_topk(
             **launch_options(q.device),
         )
     else:
-        block_q, block_w = tile_config(decode_step, batch_invariant)
+        block_q, block_w = tile_config(batch_invariant)
         tiles = _query_tiles(batch.query_lens_cpu, block_q, decode_step, device)
         w_tiles = triton.cdiv(width, block_w)
         _indexer_scores_kernel[(tiles.shape[1] * w_tiles,)](
