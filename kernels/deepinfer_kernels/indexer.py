@@ -51,6 +51,27 @@ def tile_config(batch_invariant: bool) -> tuple[int, int]:
 
 
 @triton.jit
+def _entry_keys(keys_ptr, tables_ptr, seq, w, n_entries, per_block, stride_table, stride_page, stride_slot,
+                DI: tl.constexpr):
+    """Sequence `seq`'s index keys of entries `w`, [len(w), DI], gathered through its block table (0 past
+    its `n_entries`)."""
+    w_ok = w < n_entries
+    page = tl.load(tables_ptr + seq.to(tl.int64) * stride_table + w // per_block, mask=w_ok, other=0)
+    key_rows = page.to(tl.int64) * stride_page + (w % per_block) * stride_slot
+    return tl.load(keys_ptr + key_rows[:, None] + tl.arange(0, DI)[None, :], mask=w_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _dot_keys(q, keys, IEEE: tl.constexpr):
+    """q [M, DI] . keys [W, DI] -> [M, W] in float32 (IEEE for float32 inputs)."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(keys))
+    return s
+
+
+@triton.jit
 def _indexer_scores_kernel(
     q_ptr, hw_ptr, keys_ptr, tables_ptr, n_entries_ptr, pos_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr,
     out_ptr, H, ratio, per_block, stride_table, stride_page, stride_slot, stride_out, head_scale, dim_scale, W_TILES,
@@ -67,22 +88,17 @@ def _indexer_scores_kernel(
     w = first_w + tl.arange(0, BLOCK_W)
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
     limit = tl.where(row_ok, (pos + 1) // ratio, 0)
-    visible = (w[None, :] < limit[:, None]) & (w[None, :] < tl.load(n_entries_ptr + seq))
+    n_entries = tl.load(n_entries_ptr + seq)
+    visible = (w[None, :] < limit[:, None]) & (w[None, :] < n_entries)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + w[None, :]
     out_ok = row_ok[:, None] & (w[None, :] < stride_out)
     if first_w < tl.max(limit, axis=0):
-        w_ok = w < tl.load(n_entries_ptr + seq)
-        page = tl.load(tables_ptr + seq.to(tl.int64) * stride_table + w // per_block, mask=w_ok, other=0)
+        keys = _entry_keys(keys_ptr, tables_ptr, seq, w, n_entries, per_block, stride_table, stride_page, stride_slot, DI)
         dims = tl.arange(0, DI)
-        key_rows = page.to(tl.int64) * stride_page + (w % per_block) * stride_slot
-        keys = tl.load(keys_ptr + key_rows[:, None] + dims[None, :], mask=w_ok[:, None], other=0.0)
         acc = tl.zeros([BLOCK_Q, BLOCK_W], dtype=tl.float32)
         for h in range(H):
             q = tl.load(q_ptr + (rows.to(tl.int64)[:, None] * H + h) * DI + dims[None, :], mask=row_ok[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(keys), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(keys))
+            s = _dot_keys(q, keys, IEEE)
             weight = tl.load(hw_ptr + rows * H + h, mask=row_ok, other=0.0).to(tl.float32) * head_scale
             acc += (tl.maximum(s, 0.0) * dim_scale) * weight[:, None]
         tl.store(out_ptrs, tl.where(visible, acc, float("-inf")), mask=out_ok)
@@ -104,18 +120,12 @@ def _decode_scores_kernel(
     limit = tl.minimum((tl.load(pos_ptr + seq) + 1) // ratio, n_entries)
     out_ptrs = out_ptr + seq.to(tl.int64) * stride_out + w
     if tl.program_id(1) * BLOCK_W < limit:
-        w_ok = w < n_entries
-        page = tl.load(tables_ptr + seq.to(tl.int64) * stride_table + w // per_block, mask=w_ok, other=0)
-        dims, heads = tl.arange(0, DI), tl.arange(0, HEADS)
-        key_rows = page.to(tl.int64) * stride_page + (w % per_block) * stride_slot
-        keys = tl.load(keys_ptr + key_rows[:, None] + dims[None, :], mask=w_ok[:, None], other=0.0)
+        keys = _entry_keys(keys_ptr, tables_ptr, seq, w, n_entries, per_block, stride_table, stride_page, stride_slot, DI)
+        heads = tl.arange(0, HEADS)
         head_ok = heads < H
-        q = tl.load(q_ptr + (seq.to(tl.int64) * H + heads[:, None]) * DI + dims[None, :], mask=head_ok[:, None],
-                    other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(keys), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(keys))
+        q = tl.load(q_ptr + (seq.to(tl.int64) * H + heads[:, None]) * DI + tl.arange(0, DI)[None, :],
+                    mask=head_ok[:, None], other=0.0)
+        s = _dot_keys(q, keys, IEEE)
         weight = tl.load(hw_ptr + seq * H + heads, mask=head_ok, other=0.0).to(tl.float32) * head_scale
         score = tl.sum((tl.maximum(s, 0.0) * dim_scale) * weight[:, None], axis=0)
         tl.store(out_ptrs, tl.where(w < limit, score, float("-inf")), mask=w < stride_out)
