@@ -4,8 +4,8 @@ context length on the V4-Flash 4-layer slice, DeepInfer (nvidia backend ops) bes
 DeepInfer's cache holds random state for the context (as after a prefill: validity follows positions),
 so long contexts cost no prefill; transformers is prefilled with --hf-context tokens per sequence and then
 timed one step at a time. Printed per row: step ms, steps/s, tokens/s per GPU and per request, bytes the
-step must read (weights touched + KV) and the bandwidth floor (bytes / measured copy bandwidth), step
-time / floor, model FLOPs per token, transformers' step time and the ratio.
+step must read (weights + KV, routed experts counted as the step's routing selects them) and the bandwidth
+floor (bytes / measured copy bandwidth), step time / floor, the floor under uniform routing, model FLOPs per token, transformers' step time and the ratio.
 Written to $OUT (or --out): decode.json, decode.txt, decode.png.
 With --speculative, instead: speculative decoding (oracle drafts of chosen acceptance, real MTP draft
 cost) against plain decoding, written to spec_decode.{txt,json,png} (see bench_speculative.py).
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "kernels"), str(REPO / "backends" / "nvidia"), str(REPO / "scripts")]
 
 from bench_model import (  # noqa: E402
-    attention_flops, build_deepinfer, build_transformers, expected_experts_touched, flash_slice_raw, fresh_ops,
+    attention_flops, build_deepinfer, build_transformers, counting_experts, expected_experts_touched, flash_slice_raw, fresh_ops,
     kv_bytes_per_sequence, random_cache, replayed_decode, setup, step_batch, weight_bytes, weight_flops_per_token,
 )
 from bench_prefill import _ints  # noqa: E402
@@ -102,7 +102,8 @@ def _deepinfer_rows(tiny, weights, batches, contexts, device, ops, ceilings):
                 def forward_logits(step_batch):
                     return model.compute_logits(model(step_batch, cache).hidden[step_batch.logits_indices])
 
-                eager = forward_logits(batch)
+                with counting_experts(ops) as touched:
+                    eager = forward_logits(batch)
                 row["finite"] = bool(torch.isfinite(eager).all())
                 row["eager_ms"] = time_ms(lambda: forward_logits(batch), device, rep_ms=200)
                 ms = row["eager_ms"]
@@ -110,10 +111,16 @@ def _deepinfer_rows(tiny, weights, batches, contexts, device, ops, ceilings):
                     replay = replayed_decode(model, cache, batch, block_size, device)
                     row["graph_max_abs_diff"] = float((replay() - eager).abs().max())
                     row["graph_ms"] = ms = time_ms(replay, device, rep_ms=200)
-                nbytes = weight_bytes(model, expected_experts_touched(config, size)) + size * kv_bytes_per_sequence(config, context)
+                # The floor counts the experts this step's routing selected (mean over the MoE layers); the
+                # uniform-routing estimate is printed beside it.
+                experts = statistics.mean(touched)
+                kv = size * kv_bytes_per_sequence(config, context)
+                nbytes = weight_bytes(model, experts) + kv
                 floor_ms = nbytes / (ceilings.copy_gbps * 1e9) * 1e3
+                uniform_ms = (weight_bytes(model, expected_experts_touched(config, size)) + kv) / (ceilings.copy_gbps * 1e9) * 1e3
                 flops = per_token * size + attention_flops(config, batch.positions)
                 row.update(ms=ms, steps_per_s=1e3 / ms, tokens_per_s=size * 1e3 / ms, tokens_per_s_per_request=1e3 / ms,
+                           experts_touched=experts, uniform_floor_ms=uniform_ms,
                            gbytes=nbytes / 1e9, floor_ms=floor_ms, over_floor=ms / floor_ms,
                            gflop_per_token=flops / size / 1e9)
     return rows
@@ -157,17 +164,20 @@ def _report(rows, ceilings, out: Path) -> None:
     hf = {r["batch"]: r["ms"] for r in rows if r["impl"] == "transformers" and "ms" in r}
     lines = [f"ceilings (measured): {ceilings.describe()}",
              f"{'impl':<13}{'weights':<8}{'batch':>6}{'ctx':>6}{'step_ms':>9}{'steps/s':>9}{'tok/s':>9}{'tok/s/req':>10}"
-             f"{'GB/step':>8}{'floor_ms':>9}{'x_floor':>8}{'GFLOP/tok':>10}{'hf_ms':>8}{'x_hf':>6}{'eager_ms':>9}"
+             f"{'experts':>8}{'GB/step':>8}{'floor_ms':>9}{'x_floor':>8}{'unif_ms':>8}{'GFLOP/tok':>10}{'hf_ms':>8}{'x_hf':>6}{'eager_ms':>9}"
              f"{'graph_diff':>11}  error"]
     for r in rows:
         ms, ref = r.get("ms"), hf.get(r.get("batch")) if r["impl"] == "deepinfer" else None
         lines.append(
             f"{r['impl']:<13}{r['weights']:<8}{cell(r.get('batch'), 'd'):>6}{cell(r.get('context'), 'd'):>6}{cell(ms, '.2f'):>9}"
             f"{cell(r.get('steps_per_s'), '.1f'):>9}{cell(r.get('tokens_per_s'), '.0f'):>9}{cell(r.get('tokens_per_s_per_request'), '.1f'):>10}"
-            f"{cell(r.get('gbytes'), '.2f'):>8}{cell(r.get('floor_ms'), '.2f'):>9}{cell(r.get('over_floor'), '.2f'):>8}"
+            f"{cell(r.get('experts_touched'), '.1f'):>8}{cell(r.get('gbytes'), '.2f'):>8}{cell(r.get('floor_ms'), '.2f'):>9}"
+            f"{cell(r.get('over_floor'), '.2f'):>8}{cell(r.get('uniform_floor_ms'), '.2f'):>8}"
             f"{cell(r.get('gflop_per_token'), '.2f'):>10}{cell(ref, '.2f'):>8}{cell(ref / ms if ref and ms else None, '.2f'):>6}"
             f"{cell(r.get('eager_ms'), '.2f'):>9}{cell(r.get('graph_max_abs_diff'), '.2g'):>11}  {r.get('error', '')[:80]}"
         )
+    lines.append("experts: distinct routed experts per MoE layer in this step's routing (mean), which floor_ms "
+                 "counts; unif_ms is the floor with uniform routing's expected count instead.")
     lines.append("x_hf compares DeepInfer at its context with transformers at --hf-context (same batch). On a GPU "
                  "step_ms is the step replayed from a device graph (the engine's default), eager_ms the same step "
                  "launched op by op; graph_diff = max |logit difference| between the two.")
