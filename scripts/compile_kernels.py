@@ -60,8 +60,11 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
         yield f"linear[{weight[1:]}{'-a8' if a8 else ''}]", linear._linear_kernel, _types(linear._linear_kernel, {
             "x_ptr": activations, "xs_ptr": "*fp32", "w_ptr": weight, "part_ptr": "*fp32", "counter_ptr": "*i32",
             **byte_scales}), dict(scale, A8=a8, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128 if fmt == 1 else 64), 8, 3
-        # the MoE's fp4 stacks decode with one product (every real checkpoint's scales are at most 2)
-        moe = dict(scale, FORMAT=fused_moe.FP4_SMALL_SCALES if fmt == 2 else fmt, A8=a8, SHARED=fmt != 2,
+        # the MoE's fp4 stacks decode with one product (every real checkpoint's scales are at most 2); at
+        # prefill sizes the fp4 checkpoints' fp8 shared expert runs apart (`fused_moe.shared_fusable`)
+        moe_format = fused_moe.FP4_SMALL_SCALES if fmt == 2 else fmt
+        moe = dict(scale, FORMAT=moe_format, A8=a8, SHARED=fmt != 2, SHARED_FORMAT=moe_format,
+                   SHARED_SCALE_BN=scale["SCALE_BN"], SHARED_SCALE_BK=scale["SCALE_BK"], SHARED_BLOCK_K=block_k,
                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
         moe_pointers = {"x_ptr": activations, "act_ptr": "*bf16", "xs_ptr": "*fp32", "as_ptr": "*fp32",
                         "row_entry_ptr": "*i32", "block_expert_ptr": "*i32", "route_w_ptr": "*fp32", **byte_scales}
@@ -70,6 +73,13 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
             moe, warps, stages
         down = dict(moe_pointers, act_ptr=activations)
         yield f"moe_down[{weight[1:]}]", fused_moe._down_kernel, _types(fused_moe._down_kernel, down), moe, warps, stages
+    # decode-sized fp4 steps: the fp8 shared expert in its own K loop of the same launches
+    block_m, block_n, block_k, warps, stages = fused_moe.tile_config(448, 2, False)
+    moe = dict(moe, SHARED=True, SHARED_FORMAT=1, SHARED_SCALE_BN=128, SHARED_SCALE_BK=128,
+               SHARED_BLOCK_K=min(block_k, 128), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    mixed = dict(moe_pointers, sw1_ptr=WEIGHT_TYPES[1], sw3_ptr=WEIGHT_TYPES[1], sw2_ptr=WEIGHT_TYPES[1])
+    for name, kernel in (("gate_up", fused_moe._gate_up_kernel), ("down", fused_moe._down_kernel)):
+        yield f"moe_{name}[i32+fp8 shared, decode]", kernel, _types(kernel, mixed), moe, warps, stages
     kernel = sparse_attention._sparse_attention_kernel
     attention_pointers = {"sinks_ptr": "*fp32", "part_ptr": "*fp32", "stats_ptr": "*fp32", "freq_ptr": "*fp32",
                           **{n: "*i32" for n in ("selected_ptr", "token_seq_ptr", "query_start_ptr", "context_lens_ptr",

@@ -52,7 +52,9 @@ def test_fused_moe_matches_reference(dtype, fmt, tokens):
     out = ops.fused_moe(x, weights, ids, mlps, shared, 1.5)
     assert_matches(out, KernelOps().fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[dtype])
     (stack,) = ops._expert_stacks.values()
-    assert shared_fusable(stack, shared) == (fmt != "fp4")
+    assert shared_fusable(stack, shared)  # the fp8 shared expert beside fp4 experts too, at decode sizes
+    assert shared_fusable(stack, shared, fp8_activations=True) == (fmt != "fp4")
+    assert shared_fusable(stack, shared, pairs=8192) == (fmt != "fp4")
     assert stack.fp4_small_scales == (fmt == "fp4")
 
 
@@ -69,10 +71,11 @@ def test_fp4_experts_with_scales_above_two_decode_exactly():
     assert_matches(out, KernelOps().fused_moe(x, weights, ids, mlps, shared, 1e4), TOLERANCE[torch.float32])
 
 
-@pytest.mark.parametrize("fmt", ["dense", "fp8"])
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "fp4"])
 def test_the_shared_expert_in_the_routed_launches_equals_it_run_apart(fmt):
     """Fused, the shared expert's output meets the same roundings as when it runs through `linear`; only
-    the float32 order of the final sum differs (it is added last in batch-invariant mode: bitwise)."""
+    the float32 order of the final sum differs (it is added last in batch-invariant mode: bitwise). fp4
+    experts meet an fp8 shared expert, as in the fp4 checkpoints."""
     x, weights, ids, mlps, shared = _inputs(fmt, torch.bfloat16, 23, seed=4)
     ops = TritonOps()
     stack = ops._stack(mlps, x.device)
@@ -95,6 +98,16 @@ def test_fused_moe_with_fp8_activations_matches_reference(dtype, tokens):
     ops.fp8_activations = reference.fp8_activations = True
     out = ops.fused_moe(x, weights, ids, mlps, shared, 1.5)
     assert_matches(out, reference.fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[dtype])
+
+
+def test_fp4_experts_under_fp8_activations_run_the_fp8_shared_expert_apart():
+    """fp8 activations would quantise the fp8 shared expert's input and not the fp4 experts': it runs
+    through `linear` (W8A8) after the routed launches."""
+    x, weights, ids, mlps, shared = _inputs("fp4", torch.bfloat16, 5, seed=8)
+    ops, reference = TritonOps(), KernelOps()
+    ops.fp8_activations = reference.fp8_activations = True
+    out = ops.fused_moe(x, weights, ids, mlps, shared, 1.5)
+    assert_matches(out, reference.fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[torch.bfloat16])
 
 
 def test_experts_not_held_contribute_nothing():

@@ -7,8 +7,9 @@ projections in one program, the clamped SwiGLU in the epilogue). Launch 2 comput
 routing weight and writes the pair's row of y [T*k, D]; the k rows of a token are summed afterwards in
 float32 (deterministic: no atomics). Weights are stacked per projection, w1 / w3 / w2 [E, N, K] (+ scales
 [E, ...]), so each expert can stay a separate parameter that views its slice of the stack. The shared
-expert, when its weights look like an expert's, is one more pair per token (stack index E_held, its own
-weight pointers, weight 1): no separate MLP launches, and x read and quantised once. With
+expert is one more pair per token (stack index E_held, its own weight pointers, weight 1): no separate
+MLP launches, and x read and quantised once. Stored in fp8 beside fp4 experts (the fp4 checkpoints), its
+row blocks take a K loop of their own format in the same launches. With
 `fp8_activations`, fp8 experts meet x and the activation quantised to fp8 (`activation_quant`: x once per
 token before launch 1, the activation between the launches), as in `linear`.
 """
@@ -59,37 +60,13 @@ class StackedExperts:
 
 
 @triton.jit
-def _gate_up_kernel(
-    x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr, row_entry_ptr,
-    block_expert_ptr, N, K, TOP_K, NUM_ROUTED, limit,
-    stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
+def _gate_up_sums(
+    x_ptr, xs_ptr, token, entry, w1, w3, s1, s3, offs_n, pid_n, N, K, stride_xm, stride_xsm, stride_wn, stride_sn,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
-    SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_for_previous_grid(PDL)
-    # All column tiles of a row block, then the next: programs start in id order, so a block's rows are
-    # read from memory once and stay in L2 while an expert's weight streams past them. (Walking down the
-    # columns instead re-read every row once per column: 57k rows x 2,048 of `down`'s input at 8,192
-    # tokens do not fit in the H200's 50 MB L2.)
-    pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)
-    pid_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert >= NUM_ROUTED + SHARED:
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    entry = tl.load(row_entry_ptr + offs_m)
-    token = tl.where(entry >= 0, entry // (TOP_K + SHARED), 0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    """(w1 x, w3 x) [BLOCK_M, BLOCK_N] in float32 for one expert's weights in FORMAT."""
     compute = x_ptr.dtype.element_ty  # fp8 codes with A8 (xs_ptr: their per-token, per-K-tile scales)
-    out_dtype = act_ptr.dtype.element_ty
-    w1 = w1_ptr + expert.to(tl.int64) * stride_we
-    w3 = w3_ptr + expert.to(tl.int64) * stride_we
-    s1 = s1_ptr + expert.to(tl.int64) * stride_se
-    s3 = s3_ptr + expert.to(tl.int64) * stride_se
-    if SHARED:
-        if expert == NUM_ROUTED:  # the shared expert's row blocks
-            w1, w3, s1, s3 = sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -114,6 +91,53 @@ def _gate_up_kernel(
             u_part = u_part * e8m0_to_float(tl.load(s3 + scale_at))
         gate += g_part
         up += u_part
+    return gate, up
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr, row_entry_ptr,
+    block_expert_ptr, N, K, TOP_K, NUM_ROUTED, limit,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_am,
+    FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_previous_grid(PDL)
+    # All column tiles of a row block, then the next: programs start in id order, so a block's rows are
+    # read from memory once and stay in L2 while an expert's weight streams past them. (Walking down the
+    # columns instead re-read every row once per column: 57k rows x 2,048 of `down`'s input at 8,192
+    # tokens do not fit in the H200's 50 MB L2.)
+    pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)
+    pid_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= NUM_ROUTED + SHARED:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    entry = tl.load(row_entry_ptr + offs_m)
+    token = tl.where(entry >= 0, entry // (TOP_K + SHARED), 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_dtype = act_ptr.dtype.element_ty
+    w1 = w1_ptr + expert.to(tl.int64) * stride_we
+    w3 = w3_ptr + expert.to(tl.int64) * stride_we
+    s1 = s1_ptr + expert.to(tl.int64) * stride_se
+    s3 = s3_ptr + expert.to(tl.int64) * stride_se
+    if SHARED_FORMAT == FORMAT:  # the shared expert's row blocks (if any) read its weights in the same loop
+        if SHARED:
+            if expert == NUM_ROUTED:
+                w1, w3, s1, s3 = sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr
+        gate, up = _gate_up_sums(x_ptr, xs_ptr, token, entry, w1, w3, s1, s3, offs_n, pid_n, N, K, stride_xm,
+                                 stride_xsm, stride_wn, stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N,
+                                 BLOCK_K, IEEE, A8)
+    elif expert == NUM_ROUTED:  # a shared expert stored unlike the experts (fp8 beside fp4): its own loop
+        gate, up = _gate_up_sums(x_ptr, xs_ptr, token, entry, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, offs_n, pid_n, N, K,
+                                 stride_xm, stride_xsm, stride_swn, stride_ssn, SHARED_FORMAT, SHARED_SCALE_BN,
+                                 SHARED_SCALE_BK, BLOCK_M, BLOCK_N, SHARED_BLOCK_K, IEEE, A8)
+    else:
+        gate, up = _gate_up_sums(x_ptr, xs_ptr, token, entry, w1, w3, s1, s3, offs_n, pid_n, N, K, stride_xm,
+                                 stride_xsm, stride_wn, stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N,
+                                 BLOCK_K, IEEE, A8)
     # The reference rounds each projection, silu(gate) and the product to the activation dtype (with fp8
     # activations the next launch quantises this very value, so matching its rounding matters).
     gate = tl.minimum(gate.to(out_dtype).to(tl.float32), limit)
@@ -124,29 +148,13 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _down_kernel(
-    act_ptr, as_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, route_w_ptr, row_entry_ptr, block_expert_ptr,
-    N, K, TOP_K, NUM_ROUTED,
-    stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+def _down_sums(
+    act_ptr, as_ptr, offs_m, w2, s2, offs_n, pid_n, N, K, stride_am, stride_asm, stride_wn, stride_sn,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
-    SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_for_previous_grid(PDL)
-    pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)  # row block by row block, as in `_gate_up_kernel`
-    pid_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert >= NUM_ROUTED + SHARED:
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    entry = tl.load(row_entry_ptr + offs_m)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    """w2 a [BLOCK_M, BLOCK_N] in float32 for one expert's weights in FORMAT."""
     compute = act_ptr.dtype.element_ty  # fp8 codes with A8 (as_ptr: their per-row, per-K-tile scales)
-    w2 = w2_ptr + expert.to(tl.int64) * stride_we
-    s2 = s2_ptr + expert.to(tl.int64) * stride_se
-    if SHARED:
-        if expert == NUM_ROUTED:
-            w2, s2 = sw2_ptr, ss2_ptr
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -168,6 +176,43 @@ def _down_kernel(
                 acc += part * scale
         else:
             acc += part
+    return acc
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, as_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, route_w_ptr, row_entry_ptr, block_expert_ptr,
+    N, K, TOP_K, NUM_ROUTED,
+    stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_ym,
+    FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_previous_grid(PDL)
+    pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)  # row block by row block, as in `_gate_up_kernel`
+    pid_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= NUM_ROUTED + SHARED:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    entry = tl.load(row_entry_ptr + offs_m)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w2 = w2_ptr + expert.to(tl.int64) * stride_we
+    s2 = s2_ptr + expert.to(tl.int64) * stride_se
+    if SHARED_FORMAT == FORMAT:
+        if SHARED:
+            if expert == NUM_ROUTED:
+                w2, s2 = sw2_ptr, ss2_ptr
+        acc = _down_sums(act_ptr, as_ptr, offs_m, w2, s2, offs_n, pid_n, N, K, stride_am, stride_asm, stride_wn,
+                         stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8)
+    elif expert == NUM_ROUTED:  # the shared expert stored unlike the experts: its own loop
+        acc = _down_sums(act_ptr, as_ptr, offs_m, sw2_ptr, ss2_ptr, offs_n, pid_n, N, K, stride_am, stride_asm,
+                         stride_swn, stride_ssn, SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, BLOCK_M, BLOCK_N,
+                         SHARED_BLOCK_K, IEEE, A8)
+    else:
+        acc = _down_sums(act_ptr, as_ptr, offs_m, w2, s2, offs_n, pid_n, N, K, stride_am, stride_asm, stride_wn,
+                         stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8)
     valid = entry >= 0
     if SHARED:  # pair (t, TOP_K) is the shared expert's, weight 1; the routed weights are [T, TOP_K]
         slot = entry % (TOP_K + 1)
@@ -199,20 +244,25 @@ def _sum_slots_kernel(y_ptr, out_ptr, D, SLOTS: tl.constexpr, BLOCK_D: tl.conste
     tl.store(out_ptr + token * D + cols, total, mask=ok)
 
 
+# Steps of this many (token, expert) pairs or more take the prefill tiles.
+_PREFILL_PAIRS = 8192
+
+
 def tile_config(pairs: int, fmt: int, batch_invariant: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of both launches for `pairs` (token, expert) pairs.
 
-    From `scripts/tune_moe_tiles.py` on an H200 (BENCHMARKS.md): tall tiles once experts get hundreds
-    of rows each, 16-row tiles while most experts get a few; fp4 at one token 128 -> 103 us (both launches
-    and the plan, replayed from a graph) with 32-column tiles. Batch-invariant mode takes one
+    From `scripts/tune_moe_tiles.py` and A/Bs on an H200 (BENCHMARKS.md): tall tiles once experts get
+    hundreds of rows each, 16-row tiles while most experts get a few; fp4 at one token with its fp8 shared
+    expert fused 102 -> 93 us (both launches and the plan, replayed from a graph) with 32-column tiles of
+    128 (256 before the shared expert took its own K loop of 128). Batch-invariant mode takes one
     configuration whatever the batch (a tile shape can change the MMA instructions, hence the order).
     """
     if batch_invariant:
         return (64, 64, 128, 4, 3) if fmt == 1 else (64, 64, 64, 4, 3)
-    if pairs >= 8192:
+    if pairs >= _PREFILL_PAIRS:
         return {0: (128, 128, 64, 8, 3), 1: (128, 128, 128, 8, 3), 2: (128, 64, 64, 8, 3)}[fmt]
-    if fmt == 2 and pairs <= 16:  # a token or two: twice the programs, each decoding longer K tiles
-        return (16, 32, 256, 4, 3)
+    if fmt == 2 and pairs <= 16:  # a token or two: twice the programs
+        return (16, 32, 128, 4, 3)
     return (16, 64, 128, 4, 3)
 
 
@@ -221,9 +271,25 @@ def moe_supported(experts: StackedExperts, fp8_activations: bool) -> bool:
     return not (fp8_activations and weight_format(experts.w1) == 1) or fp8_activation_tiles_supported(experts.block)
 
 
-def shared_fusable(experts: StackedExperts, shared: MlpWeights) -> bool:
-    """The shared expert can run in the routed launches: each of its tensors has an expert's dtype, shape
-    and strides (fp4 checkpoints keep the shared expert in fp8: it then runs apart)."""
+def shared_fusable(experts: StackedExperts, shared: MlpWeights, fp8_activations: bool = False, pairs: int = 1) -> bool:
+    """The shared expert can run in the routed launches of a step of `pairs` (token, expert) pairs, its own
+    counted. Either each of its tensors has an expert's dtype, shape and strides, or it is fp8 block-scaled
+    beside fp4 experts (as the fp4 checkpoints store it) with the experts' shapes and a power-of-two block
+    of at least 32: it then takes a K loop of its own in the same launches, in decode-sized steps only (the
+    second loop costs the prefill tiles occupancy. H200, fused against apart: 103 / 696 / 1,747 us against
+    114 / 775 / 1,903 at 1 / 16 / 64 tokens, 15.2 ms against 12.8 at 8,192; BENCHMARKS.md), and not with
+    fp8 activations (they would quantise its input and not the experts')."""
+    if _same_layout(experts, shared):
+        return True
+    mixed = weight_format(experts.w1) == 2 and weight_format(shared.w1) == 1 and shared.block is not None
+    if not mixed or fp8_activations or pairs >= _PREFILL_PAIRS:
+        return False
+    unpacked = [(shared.w1, experts.w1), (shared.w3, experts.w3), (shared.w2, experts.w2)]
+    shapes_match = all(one.shape == (stack.shape[1], 2 * stack.shape[2]) for one, stack in unpacked)
+    return shapes_match and all(b >= 32 and b & (b - 1) == 0 for b in shared.block)
+
+
+def _same_layout(experts: StackedExperts, shared: MlpWeights) -> bool:
     pairs = [(shared.w1, experts.w1), (shared.w3, experts.w3), (shared.w2, experts.w2),
              (shared.w1_scale, experts.w1_scale), (shared.w3_scale, experts.w3_scale),
              (shared.w2_scale, experts.w2_scale)]
@@ -257,14 +323,15 @@ def moe_routed(
     tokens, top_k = ids.shape
     hidden, inter = x.shape[1], experts.w1.shape[1]
     fmt = weight_format(experts.w1)
-    if shared is not None and not shared_fusable(experts, shared):
+    if shared is not None and not shared_fusable(experts, shared, fp8_activations, tokens * (top_k + 1)):
         raise ValueError("the shared expert's weights differ in dtype, shape, strides or block from the experts'")
     if not moe_supported(experts, fp8_activations):
         raise ValueError(f"fp8 activations need an fp8 weight block of 32, 64 or 128 columns, not {experts.block}")
     fused = shared is not None
     slots = top_k + fused
+    shared_fmt = weight_format(shared.w1) if fused else fmt
     # A fused fp4 shared expert's scales are not checked (the released fp4 checkpoints keep it in fp8).
-    small = fmt == 2 and experts.fp4_small_scales and not (fused and weight_format(shared.w1) == 2)
+    small = fmt == 2 and experts.fp4_small_scales and shared_fmt != 2
     kernel_format = FP4_SMALL_SCALES if small else fmt
     block_m, block_n, block_k, warps, stages = tile_config(tokens * slots, fmt, batch_invariant)
     a8 = fp8_activations and fmt == 1
@@ -272,6 +339,14 @@ def moe_routed(
         block_n = min(block_n, experts.block[0])
         block_k = experts.block[1] if a8 else min(block_k, experts.block[1])
     scale_bn, scale_bk = experts.block if fmt == 1 else (1, 1)
+    mixed = shared_fmt != fmt  # an fp8 shared expert beside fp4 experts: its tiles inside its scale blocks
+    if mixed:
+        block_n = min(block_n, shared.block[0])
+    shared_args = dict(
+        SHARED=fused, SHARED_FORMAT=shared_fmt if mixed else kernel_format,
+        SHARED_SCALE_BN=shared.block[0] if mixed else scale_bn, SHARED_SCALE_BK=shared.block[1] if mixed else scale_bk,
+        SHARED_BLOCK_K=min(block_k, shared.block[1]) if mixed else block_k,
+    )
     row_entry, block_expert = moe_plan(ids, experts.local_ids, experts.num_held, block_m, fused)
     x = x.contiguous()
     ieee = x.dtype == torch.float32 and not a8  # fp8 codes meet on fp8 MMAs whatever x.dtype
@@ -285,14 +360,19 @@ def moe_routed(
     source = shared if fused else experts
     sw1, sw3, sw2 = (as_kernel_weight(w, None)[0] for w in (source.w1, source.w3, source.w2))
     ss1, ss3, ss2 = (_scale_args(sc, w)[0] for sc, w in zip((source.w1_scale, source.w3_scale, source.w2_scale), (sw1, sw3, sw2)))
+    # row strides of the shared expert's weights and scales (an expert's when it is stored like one)
+    if mixed:
+        shared_strides = [(sw1.stride(0), ss1.stride(0)), (sw2.stride(0), ss2.stride(0))]
+    else:
+        shared_strides = [(w1.stride(1), sn), (w2.stride(1), sn2)]
     act = torch.empty((row_entry.shape[0], inter), dtype=x.dtype, device=x.device)
     x_in, x_scales = quantize_fp8_rows(x, block_k) if a8 else (x, x)
     _gate_up_kernel[(block_expert.shape[0] * triton.cdiv(inter, block_n),)](
         x_in, x_scales, w1, w3, s1, s3, sw1, sw3, ss1, ss3, act, row_entry, block_expert,
         inter, hidden, top_k, experts.num_held, swiglu_limit,
-        x_in.stride(0), x_scales.stride(0), w1.stride(0), w1.stride(1), se, sn, act.stride(0),
+        x_in.stride(0), x_scales.stride(0), w1.stride(0), w1.stride(1), se, sn, *shared_strides[0], act.stride(0),
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, SHARED=fused,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, **shared_args,
         num_warps=warps, num_stages=stages, **launch_options(x.device),
     )
     held_all = bool(experts.num_held == experts.local_ids.shape[0])
@@ -302,9 +382,9 @@ def moe_routed(
     _down_kernel[(block_expert.shape[0] * triton.cdiv(hidden, block_n),)](
         act_in, act_scales, w2, s2, sw2, ss2, y, weights.reshape(-1).float().contiguous(), row_entry, block_expert,
         hidden, inter, top_k, experts.num_held,
-        act_in.stride(0), act_scales.stride(0), w2.stride(0), w2.stride(1), se2, sn2, y.stride(0),
+        act_in.stride(0), act_scales.stride(0), w2.stride(0), w2.stride(1), se2, sn2, *shared_strides[1], y.stride(0),
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, SHARED=fused,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, **shared_args,
         num_warps=warps, num_stages=stages, **launch_options(x.device),
     )
     total = torch.empty((tokens, hidden), dtype=torch.float32, device=x.device)

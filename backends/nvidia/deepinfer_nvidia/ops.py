@@ -121,7 +121,7 @@ class TritonOps(KernelOps):
             # Fallback: fp8 experts under fp8 activations whose K block the kernel's tiles cannot match.
             if not self._moe_supported(stack, self.fp8_activations):
                 return super().fused_moe(x, weights, ids, experts, shared, swiglu_limit)
-            fused = shared is not None and self._shared_fusable(stack, shared)
+            fused = shared is not None and self._shared_fusable(stack, shared, self.fp8_activations, ids.numel() + ids.shape[0])
             out = self._moe_routed(
                 x, weights, ids, stack, swiglu_limit, self.batch_invariant, self.fp8_activations,
                 shared if fused else None,
@@ -129,7 +129,7 @@ class TritonOps(KernelOps):
             apart = None if fused else shared
         else:
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if apart is not None:  # stored unlike the experts (fp8 beside fp4 experts), or no expert held
+        if apart is not None:  # not fusable (`fused_moe.shared_fusable`), or no expert held
             out = out + self._swiglu(x, apart, swiglu_limit).float()
         return out.to(x.dtype)
 
