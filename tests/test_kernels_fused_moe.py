@@ -33,8 +33,8 @@ def _mlp(fmt: str, hidden: int, inter: int, gen: torch.Generator, dtype: torch.d
 
 
 def _inputs(fmt, dtype, tokens, experts=7, top_k=3, hidden=96, inter=64, seed=0):
-    """The shared expert in the experts' format (it then runs in their launches), fp8 beside fp4 experts
-    as in the fp4 checkpoints (it then runs apart)."""
+    """The shared expert in the experts' format, or fp8 beside fp4 experts as in the fp4 checkpoints (both
+    run in the experts' launches at these sizes)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
