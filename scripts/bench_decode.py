@@ -5,7 +5,8 @@ DeepInfer's cache holds random state for the context (as after a prefill: validi
 so long contexts cost no prefill; transformers is prefilled with --hf-context tokens per sequence and then
 timed one step at a time. Printed per row: step ms, steps/s, tokens/s per GPU and per request, bytes the
 step must read (weights + KV, routed experts counted as the step's routing selects them) and the bandwidth
-floor (bytes / measured copy bandwidth), step time / floor, the floor under uniform routing, model FLOPs per token, transformers' step time and the ratio.
+floor (bytes / measured copy bandwidth), step time / floor, the floor under uniform routing, model FLOPs
+per token, transformers' step time and the ratio.
 Written to $OUT (or --out): decode.json, decode.txt, decode.png.
 With --speculative, instead: speculative decoding (oracle drafts of chosen acceptance, real MTP draft
 cost) against plain decoding, written to spec_decode.{txt,json,png} (see bench_speculative.py).
@@ -31,8 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "kernels"), str(REPO / "backends" / "nvidia"), str(REPO / "scripts")]
 
 from bench_model import (  # noqa: E402
-    attention_flops, build_deepinfer, build_transformers, counting_experts, expected_experts_touched, flash_slice_raw, fresh_ops,
-    kv_bytes_per_sequence, random_cache, replayed_decode, setup, step_batch, weight_bytes, weight_flops_per_token,
+    attention_flops, build_deepinfer, build_transformers, counting_experts, expected_experts_touched, flash_slice_raw,
+    fresh_ops, kv_bytes_per_sequence, random_cache, replayed_decode, setup, step_batch, weight_bytes,
+    weight_flops_per_token,
 )
 from bench_prefill import _ints  # noqa: E402
 from bench_speculative import run_speculative  # noqa: E402
@@ -117,7 +119,8 @@ def _deepinfer_rows(tiny, weights, batches, contexts, device, ops, ceilings):
                 kv = size * kv_bytes_per_sequence(config, context)
                 nbytes = weight_bytes(model, experts) + kv
                 floor_ms = nbytes / (ceilings.copy_gbps * 1e9) * 1e3
-                uniform_ms = (weight_bytes(model, expected_experts_touched(config, size)) + kv) / (ceilings.copy_gbps * 1e9) * 1e3
+                uniform_bytes = weight_bytes(model, expected_experts_touched(config, size)) + kv
+                uniform_ms = uniform_bytes / (ceilings.copy_gbps * 1e9) * 1e3
                 flops = per_token * size + attention_flops(config, batch.positions)
                 row.update(ms=ms, steps_per_s=1e3 / ms, tokens_per_s=size * 1e3 / ms, tokens_per_s_per_request=1e3 / ms,
                            experts_touched=experts, uniform_floor_ms=uniform_ms,

@@ -22,9 +22,9 @@ from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.kernel_ops import KernelOps
 
 __all__ = [
-    "BenchModel", "attention_flops", "build_deepinfer", "build_transformers", "counting_experts", "expected_experts_touched",
-    "flash_slice_raw", "kv_bytes_per_sequence", "random_cache", "setup", "step_batch", "use_ops",
-    "weight_bytes", "weight_flops_per_token",
+    "BenchModel", "attention_flops", "build_deepinfer", "build_transformers", "counting_experts",
+    "expected_experts_touched", "flash_slice_raw", "kv_bytes_per_sequence", "random_cache", "setup", "step_batch",
+    "use_ops", "weight_bytes", "weight_flops_per_token",
 ]
 
 FLASH_WIDTHS: dict[str, Any] = {
