@@ -167,7 +167,7 @@ def _report(rows, ceilings, out: Path) -> None:
     hf = {r["batch"]: r["ms"] for r in rows if r["impl"] == "transformers" and "ms" in r}
     lines = [f"ceilings (measured): {ceilings.describe()}",
              f"{'impl':<13}{'weights':<8}{'batch':>6}{'ctx':>6}{'step_ms':>9}{'steps/s':>9}{'tok/s':>9}{'tok/s/req':>10}"
-             f"{'experts':>8}{'GB/step':>8}{'floor_ms':>9}{'x_floor':>8}{'unif_ms':>8}{'GFLOP/tok':>10}{'hf_ms':>8}{'x_hf':>6}{'eager_ms':>9}"
+             f"{'experts':>8}{'GB/step':>8}{'floor_ms':>9}{'x_floor':>10}{'unif_ms':>8}{'GFLOP/tok':>10}{'hf_ms':>8}{'x_hf':>6}{'eager_ms':>9}"
              f"{'graph_diff':>11}  error"]
     for r in rows:
         ms, ref = r.get("ms"), hf.get(r.get("batch")) if r["impl"] == "deepinfer" else None
@@ -175,7 +175,7 @@ def _report(rows, ceilings, out: Path) -> None:
             f"{r['impl']:<13}{r['weights']:<8}{cell(r.get('batch'), 'd'):>6}{cell(r.get('context'), 'd'):>6}{cell(ms, '.2f'):>9}"
             f"{cell(r.get('steps_per_s'), '.1f'):>9}{cell(r.get('tokens_per_s'), '.0f'):>9}{cell(r.get('tokens_per_s_per_request'), '.1f'):>10}"
             f"{cell(r.get('experts_touched'), '.1f'):>8}{cell(r.get('gbytes'), '.2f'):>8}{cell(r.get('floor_ms'), '.2f'):>9}"
-            f"{cell(r.get('over_floor'), '.2f'):>8}{cell(r.get('uniform_floor_ms'), '.2f'):>8}"
+            f"{cell(r.get('over_floor'), '.2f'):>10}{cell(r.get('uniform_floor_ms'), '.2f'):>8}"
             f"{cell(r.get('gflop_per_token'), '.2f'):>10}{cell(ref, '.2f'):>8}{cell(ref / ms if ref and ms else None, '.2f'):>6}"
             f"{cell(r.get('eager_ms'), '.2f'):>9}{cell(r.get('graph_max_abs_diff'), '.2g'):>11}  {r.get('error', '')[:80]}"
         )
