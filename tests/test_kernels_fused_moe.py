@@ -81,8 +81,11 @@ def test_the_shared_expert_in_the_routed_launches_equals_it_run_apart(fmt):
     stack = ops._stack(mlps, x.device)
     apart = moe_routed(x, weights, ids, stack, 1.5) + ops._swiglu(x, shared, 1.5).float()
     assert_matches(moe_routed(x, weights, ids, stack, 1.5, shared=shared), apart, 1e-6)
-    invariant_apart = moe_routed(x, weights, ids, stack, 1.5, batch_invariant=True) + ops._swiglu(x, shared, 1.5).float()
-    assert torch.equal(moe_routed(x, weights, ids, stack, 1.5, batch_invariant=True, shared=shared), invariant_apart)
+    if fmt == "fp4":  # its own K tiles are not linear's: batch-invariant mode keeps it apart at every size
+        assert not shared_fusable(stack, shared, pairs=None)
+    else:
+        invariant_apart = moe_routed(x, weights, ids, stack, 1.5, batch_invariant=True) + ops._swiglu(x, shared, 1.5).float()
+        assert torch.equal(moe_routed(x, weights, ids, stack, 1.5, batch_invariant=True, shared=shared), invariant_apart)
     with pytest.raises(ValueError, match="shared expert's weights differ"):
         moe_routed(x, weights, ids, stack, 1.5, shared=_mlp("dense", 96, 32, torch.Generator(), torch.bfloat16))
 
@@ -98,6 +101,20 @@ def test_fused_moe_with_fp8_activations_matches_reference(dtype, tokens):
     ops.fp8_activations = reference.fp8_activations = True
     out = ops.fused_moe(x, weights, ids, mlps, shared, 1.5)
     assert_matches(out, reference.fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[dtype])
+
+
+def test_fp4_experts_with_the_fp8_shared_expert_are_batch_invariant():
+    """Batch-invariant mode keeps the fp8 shared expert apart at every step size: a token's output is the
+    same bits alone and in a batch."""
+    x, weights, ids, mlps, shared = _inputs("fp4", torch.bfloat16, 9, seed=6)
+    ops = TritonOps()
+    ops.batch_invariant = True
+    asked = []
+    ops._shared_fusable = lambda *args: asked.append(args[3]) or shared_fusable(*args)
+    batch = ops.fused_moe(x, weights, ids, mlps, shared, 1.5)
+    alone = ops.fused_moe(x[4:5], weights[4:5], ids[4:5], mlps, shared, 1.5)
+    assert asked == [None, None]  # one answer for every step size: apart
+    assert torch.equal(alone, batch[4:5])
 
 
 def test_fp4_experts_under_fp8_activations_run_the_fp8_shared_expert_apart():

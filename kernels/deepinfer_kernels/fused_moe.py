@@ -271,18 +271,23 @@ def moe_supported(experts: StackedExperts, fp8_activations: bool) -> bool:
     return not (fp8_activations and weight_format(experts.w1) == 1) or fp8_activation_tiles_supported(experts.block)
 
 
-def shared_fusable(experts: StackedExperts, shared: MlpWeights, fp8_activations: bool = False, pairs: int = 1) -> bool:
+def shared_fusable(
+    experts: StackedExperts, shared: MlpWeights, fp8_activations: bool = False, pairs: int | None = 1,
+) -> bool:
     """The shared expert can run in the routed launches of a step of `pairs` (token, expert) pairs, its own
     counted. Either each of its tensors has an expert's dtype, shape and strides, or it is fp8 block-scaled
     beside fp4 experts (as the fp4 checkpoints store it) with the experts' shapes and a power-of-two block
     of at least 32: it then takes a K loop of its own in the same launches, in decode-sized steps only (the
     second loop costs the prefill tiles occupancy. H200, fused against apart: 103 / 696 / 1,747 us against
     114 / 775 / 1,903 at 1 / 16 / 64 tokens, 15.2 ms against 12.8 at 8,192; BENCHMARKS.md), and not with
-    fp8 activations (they would quantise its input and not the experts')."""
+    fp8 activations (they would quantise its input and not the experts').
+    pairs=None asks for one answer for every step size (batch-invariant mode: its K tiles differ from
+    `linear`'s, so a token's result must not depend on which side of the size threshold its batch falls):
+    such a shared expert then always runs apart."""
     if _same_layout(experts, shared):
         return True
     mixed = weight_format(experts.w1) == 2 and weight_format(shared.w1) == 1 and shared.block is not None
-    if not mixed or fp8_activations or pairs >= _PREFILL_PAIRS:
+    if not mixed or fp8_activations or pairs is None or pairs >= _PREFILL_PAIRS:
         return False
     unpacked = [(shared.w1, experts.w1), (shared.w3, experts.w3), (shared.w2, experts.w2)]
     shapes_match = all(one.shape == (stack.shape[1], 2 * stack.shape[2]) for one, stack in unpacked)
@@ -323,7 +328,8 @@ def moe_routed(
     tokens, top_k = ids.shape
     hidden, inter = x.shape[1], experts.w1.shape[1]
     fmt = weight_format(experts.w1)
-    if shared is not None and not shared_fusable(experts, shared, fp8_activations, tokens * (top_k + 1)):
+    pairs = None if batch_invariant else tokens * (top_k + 1)
+    if shared is not None and not shared_fusable(experts, shared, fp8_activations, pairs):
         raise ValueError("the shared expert's weights differ in dtype, shape, strides or block from the experts'")
     if not moe_supported(experts, fp8_activations):
         raise ValueError(f"fp8 activations need an fp8 weight block of 32, 64 or 128 columns, not {experts.block}")

@@ -121,7 +121,8 @@ class TritonOps(KernelOps):
             # Fallback: fp8 experts under fp8 activations whose K block the kernel's tiles cannot match.
             if not self._moe_supported(stack, self.fp8_activations):
                 return super().fused_moe(x, weights, ids, experts, shared, swiglu_limit)
-            fused = shared is not None and self._shared_fusable(stack, shared, self.fp8_activations, ids.numel() + ids.shape[0])
+            pairs = None if self.batch_invariant else ids.numel() + ids.shape[0]  # None: one answer for any size
+            fused = shared is not None and self._shared_fusable(stack, shared, self.fp8_activations, pairs)
             out = self._moe_routed(
                 x, weights, ids, stack, swiglu_limit, self.batch_invariant, self.fp8_activations,
                 shared if fused else None,
