@@ -10,7 +10,8 @@ from kernel_checks import assert_matches
 
 from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
 from deepinfer_core.quantization import quantize_fp4, quantize_fp8_block
-from deepinfer_kernels.fused_moe import moe_routed, shared_fusable
+from deepinfer_kernels.fused_moe import gate_up_register_cap, moe_routed, shared_fusable
+from deepinfer_kernels.weight_tiles import FP4_SMALL_SCALES
 from deepinfer_nvidia.ops import TritonOps
 
 # The reference accumulates each expert's weighted output in the compute dtype in expert order, the
@@ -125,6 +126,17 @@ def test_fp4_experts_under_fp8_activations_run_the_fp8_shared_expert_apart():
     ops.fp8_activations = reference.fp8_activations = True
     out = ops.fused_moe(x, weights, ids, mlps, shared, 1.5)
     assert_matches(out, reference.fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[torch.bfloat16])
+
+
+def test_the_register_cap_is_for_one_product_fp4_at_the_16_by_64_decode_tiles_on_sm90():
+    hopper = (9, 0)
+    assert gate_up_register_cap(112, FP4_SMALL_SCALES, False, hopper) == {"maxnreg": 128}
+    assert gate_up_register_cap(7, FP4_SMALL_SCALES, False, hopper) == {}  # the 16 x 32 tiles of a token or two
+    assert gate_up_register_cap(112, 2, False, hopper) == gate_up_register_cap(112, 1, False, hopper) == {}
+    assert gate_up_register_cap(112, FP4_SMALL_SCALES, True, hopper) == {}
+    assert gate_up_register_cap(9000, FP4_SMALL_SCALES, False, hopper) == {}
+    assert gate_up_register_cap(112, FP4_SMALL_SCALES, False, (10, 0)) == {}
+    assert gate_up_register_cap(112, FP4_SMALL_SCALES, False, None) == {}
 
 
 def test_experts_not_held_contribute_nothing():

@@ -16,6 +16,7 @@ token before launch 1, the activation between the launches), as in `linear`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +31,7 @@ from deepinfer_kernels.weight_tiles import (
     FP4_SMALL_SCALES, as_kernel_weight, e8m0_to_float, fp4_scales_small, load_weight_tile, weight_format,
 )
 
-__all__ = ["StackedExperts", "moe_routed", "moe_supported", "shared_fusable", "tile_config"]
+__all__ = ["StackedExperts", "gate_up_register_cap", "moe_routed", "moe_supported", "shared_fusable", "tile_config"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +267,20 @@ def tile_config(pairs: int, fmt: int, batch_invariant: bool) -> tuple[int, int, 
     return (16, 64, 128, 4, 3)
 
 
+def gate_up_register_cap(
+    pairs: int, kernel_format: int, batch_invariant: bool, capability: tuple[int, int] | None,
+) -> dict[str, int]:
+    """Launch options capping launch 1's registers: one-product fp4 (`FP4_SMALL_SCALES`) at the 16 x 64
+    decode tiles on sm_90, where the fp8 shared expert's loop takes it to 142 registers (three programs a
+    multiprocessor); at 128 (four, no spill) 690 -> 664 us at 16 tokens and 1,744 -> 1,682 us at 64 on an
+    H200 (BENCHMARKS.md). The two-product decode already sits at 128 and would spill more; on sm_100 the
+    cap spills 8 bytes (ptxas), and nothing was measured there. capability: the device's, None off CUDA."""
+    if kernel_format != FP4_SMALL_SCALES or batch_invariant or capability is None or capability[0] != 9:
+        return {}
+    block_m, block_n, _, _, _ = tile_config(pairs, 2, batch_invariant)
+    return {"maxnreg": 128} if (block_m, block_n) == (16, 64) else {}
+
+
 def moe_supported(experts: StackedExperts, fp8_activations: bool) -> bool:
     """fp8 experts under fp8 activations need K tiles equal to their weight block's K."""
     return not (fp8_activations and weight_format(experts.w1) == 1) or fp8_activation_tiles_supported(experts.block)
@@ -304,6 +319,11 @@ def _same_layout(experts: StackedExperts, shared: MlpWeights) -> bool:
         if one is not None and (one.dtype != stack.dtype or one.shape != stack.shape[1:] or one.stride() != stack.stride()[1:]):
             return False
     return shared.block == experts.block
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
 def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -380,6 +400,7 @@ def moe_routed(
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, **shared_args,
         num_warps=warps, num_stages=stages, **launch_options(x.device),
+        **gate_up_register_cap(tokens * slots, kernel_format, batch_invariant, _capability(x.device)),
     )
     held_all = bool(experts.num_held == experts.local_ids.shape[0])
     alloc = torch.empty if held_all else torch.zeros
