@@ -75,9 +75,13 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
         yield f"moe_down[{weight[1:]}]", fused_moe._down_kernel, _types(fused_moe._down_kernel, down), moe, warps, stages
     # decode-sized fp4 steps: the fp8 shared expert in its own K loop of the same launches
     block_m, block_n, block_k, warps, stages = fused_moe.tile_config(448, 2, False)
-    moe = dict(moe, SHARED=True, SHARED_FORMAT=1, SHARED_SCALE_BN=128, SHARED_SCALE_BK=128,
-               SHARED_BLOCK_K=min(block_k, 128), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    mixed = dict(moe_pointers, sw1_ptr=WEIGHT_TYPES[1], sw3_ptr=WEIGHT_TYPES[1], sw2_ptr=WEIGHT_TYPES[1])
+    moe = dict(FORMAT=fused_moe.FP4_SMALL_SCALES, SCALE_BN=1, SCALE_BK=1, IEEE=False, A8=False, SHARED=True,
+               SHARED_FORMAT=1, SHARED_SCALE_BN=128, SHARED_SCALE_BK=128, SHARED_BLOCK_K=min(block_k, 128),
+               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    mixed = {"x_ptr": "*bf16", "act_ptr": "*bf16", "xs_ptr": "*fp32", "as_ptr": "*fp32", "row_entry_ptr": "*i32",
+             "block_expert_ptr": "*i32", "route_w_ptr": "*fp32", **byte_scales,
+             **{n: WEIGHT_TYPES[2] for n in ("w1_ptr", "w3_ptr", "w2_ptr")},
+             **{n: WEIGHT_TYPES[1] for n in ("sw1_ptr", "sw3_ptr", "sw2_ptr")}}
     for name, kernel in (("gate_up", fused_moe._gate_up_kernel), ("down", fused_moe._down_kernel)):
         yield f"moe_{name}[i32+fp8 shared, decode]", kernel, _types(kernel, mixed), moe, warps, stages
     kernel = sparse_attention._sparse_attention_kernel

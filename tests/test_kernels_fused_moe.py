@@ -10,7 +10,7 @@ from kernel_checks import assert_matches
 
 from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
 from deepinfer_core.quantization import quantize_fp4, quantize_fp8_block
-from deepinfer_kernels.fused_moe import gate_up_register_cap, moe_routed, shared_fusable
+from deepinfer_kernels.fused_moe import gate_up_register_cap, moe_routed, shared_fusable, tile_config
 from deepinfer_kernels.weight_tiles import FP4_SMALL_SCALES
 from deepinfer_nvidia.ops import TritonOps
 
@@ -130,13 +130,17 @@ def test_fp4_experts_under_fp8_activations_run_the_fp8_shared_expert_apart():
 
 def test_the_register_cap_is_for_one_product_fp4_at_the_16_by_64_decode_tiles_on_sm90():
     hopper = (9, 0)
-    assert gate_up_register_cap(112, FP4_SMALL_SCALES, False, hopper) == {"maxnreg": 128}
-    assert gate_up_register_cap(7, FP4_SMALL_SCALES, False, hopper) == {}  # the 16 x 32 tiles of a token or two
-    assert gate_up_register_cap(112, 2, False, hopper) == gate_up_register_cap(112, 1, False, hopper) == {}
-    assert gate_up_register_cap(112, FP4_SMALL_SCALES, True, hopper) == {}
-    assert gate_up_register_cap(9000, FP4_SMALL_SCALES, False, hopper) == {}
-    assert gate_up_register_cap(112, FP4_SMALL_SCALES, False, (10, 0)) == {}
-    assert gate_up_register_cap(112, FP4_SMALL_SCALES, False, None) == {}
+
+    def cap(pairs, kernel_format, batch_invariant, capability):  # for the tile fp4 takes at `pairs`
+        return gate_up_register_cap(kernel_format, tile_config(pairs, 2, batch_invariant)[:2], capability)
+
+    assert cap(112, FP4_SMALL_SCALES, False, hopper) == {"maxnreg": 128}
+    assert cap(7, FP4_SMALL_SCALES, False, hopper) == {}  # the 16 x 32 tiles of a token or two
+    assert cap(112, 2, False, hopper) == cap(112, 1, False, hopper) == {}
+    assert cap(112, FP4_SMALL_SCALES, True, hopper) == {}
+    assert cap(9000, FP4_SMALL_SCALES, False, hopper) == {}
+    assert cap(112, FP4_SMALL_SCALES, False, (10, 0)) == {}
+    assert cap(112, FP4_SMALL_SCALES, False, None) == {}
 
 
 def test_experts_not_held_contribute_nothing():

@@ -268,17 +268,16 @@ def tile_config(pairs: int, fmt: int, batch_invariant: bool) -> tuple[int, int, 
 
 
 def gate_up_register_cap(
-    pairs: int, kernel_format: int, batch_invariant: bool, capability: tuple[int, int] | None,
+    kernel_format: int, tile: tuple[int, int], capability: tuple[int, int] | None,
 ) -> dict[str, int]:
-    """Launch options capping launch 1's registers: one-product fp4 (`FP4_SMALL_SCALES`) at the 16 x 64
-    decode tiles on sm_90, where the fp8 shared expert's loop takes it to 142 registers (three programs a
-    multiprocessor); at 128 (four, no spill) 690 -> 664 us at 16 tokens and 1,744 -> 1,682 us at 64 on an
-    H200 (BENCHMARKS.md). The two-product decode already sits at 128 and would spill more; on sm_100 the
-    cap spills 8 bytes (ptxas), and nothing was measured there. capability: the device's, None off CUDA."""
-    if kernel_format != FP4_SMALL_SCALES or batch_invariant or capability is None or capability[0] != 9:
-        return {}
-    block_m, block_n, _, _, _ = tile_config(pairs, 2, batch_invariant)
-    return {"maxnreg": 128} if (block_m, block_n) == (16, 64) else {}
+    """Launch options capping launch 1's registers for its (BLOCK_M, BLOCK_N) `tile`: one-product fp4
+    (`FP4_SMALL_SCALES`) at the 16 x 64 decode tiles on sm_90, where the fp8 shared expert's loop takes it to
+    142 registers (three programs a multiprocessor); at 128 (four, no spill) 690 -> 664 us at 16 tokens and
+    1,744 -> 1,682 us at 64 on an H200 (BENCHMARKS.md). The two-product decode already sits at 128 and would
+    spill more; on sm_100 the cap spills 8 bytes (ptxas), and nothing was measured there. capability: the
+    device's, None off CUDA."""
+    hopper = capability is not None and capability[0] == 9
+    return {"maxnreg": 128} if kernel_format == FP4_SMALL_SCALES and tile == (16, 64) and hopper else {}
 
 
 def moe_supported(experts: StackedExperts, fp8_activations: bool) -> bool:
@@ -400,7 +399,7 @@ def moe_routed(
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, **shared_args,
         num_warps=warps, num_stages=stages, **launch_options(x.device),
-        **gate_up_register_cap(tokens * slots, kernel_format, batch_invariant, _capability(x.device)),
+        **gate_up_register_cap(kernel_format, (block_m, block_n), _capability(x.device)),
     )
     held_all = bool(experts.num_held == experts.local_ids.shape[0])
     alloc = torch.empty if held_all else torch.zeros
