@@ -31,7 +31,9 @@ from deepinfer_kernels.weight_tiles import (
     FP4_SMALL_SCALES, as_kernel_weight, e8m0_to_float, fp4_scales_small, load_weight_tile, weight_format,
 )
 
-__all__ = ["StackedExperts", "gate_up_register_cap", "moe_routed", "moe_supported", "shared_fusable", "tile_config"]
+__all__ = [
+    "StackedExperts", "gate_up_register_cap", "moe_routed", "moe_supported", "shared_fusable", "step_pairs", "tile_config",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +310,12 @@ def shared_fusable(
     return shapes_match and all(b >= 32 and b & (b - 1) == 0 for b in shared.block)
 
 
+def step_pairs(ids: torch.Tensor, batch_invariant: bool) -> int | None:
+    """`shared_fusable`'s pairs for a step routed to ids [T, k]: its (token, expert) pairs with the shared
+    expert's, or None in batch-invariant mode (one answer for every step size)."""
+    return None if batch_invariant else ids.numel() + ids.shape[0]
+
+
 def _same_layout(experts: StackedExperts, shared: MlpWeights) -> bool:
     pairs = [(shared.w1, experts.w1), (shared.w3, experts.w3), (shared.w2, experts.w2),
              (shared.w1_scale, experts.w1_scale), (shared.w3_scale, experts.w3_scale),
@@ -347,8 +355,7 @@ def moe_routed(
     tokens, top_k = ids.shape
     hidden, inter = x.shape[1], experts.w1.shape[1]
     fmt = weight_format(experts.w1)
-    pairs = None if batch_invariant else tokens * (top_k + 1)
-    if shared is not None and not shared_fusable(experts, shared, fp8_activations, pairs):
+    if shared is not None and not shared_fusable(experts, shared, fp8_activations, step_pairs(ids, batch_invariant)):
         raise ValueError("the shared expert's weights differ in dtype, shape, strides or block from the experts'")
     if not moe_supported(experts, fp8_activations):
         raise ValueError(f"fp8 activations need an fp8 weight block of 32, 64 or 128 columns, not {experts.block}")

@@ -49,6 +49,7 @@ class TritonOps(KernelOps):
         self._routing_supported = routing.routing_supported
         self._moe_supported = fused_moe.moe_supported
         self._shared_fusable = fused_moe.shared_fusable
+        self._step_pairs = fused_moe.step_pairs
         self._stacked_experts = fused_moe.StackedExperts
         self._attention = sparse_attention.sparse_attention
         self._expert_stacks: dict[tuple, fused_moe.StackedExperts] = {}
@@ -121,7 +122,7 @@ class TritonOps(KernelOps):
             # Fallback: fp8 experts under fp8 activations whose K block the kernel's tiles cannot match.
             if not self._moe_supported(stack, self.fp8_activations):
                 return super().fused_moe(x, weights, ids, experts, shared, swiglu_limit)
-            pairs = None if self.batch_invariant else ids.numel() + ids.shape[0]  # None: one answer for any size
+            pairs = self._step_pairs(ids, self.batch_invariant)
             fused = shared is not None and self._shared_fusable(stack, shared, self.fp8_activations, pairs)
             out = self._moe_routed(
                 x, weights, ids, stack, swiglu_limit, self.batch_invariant, self.fp8_activations,
