@@ -4,8 +4,10 @@ Sets TRITON_INTERPRET=1 (read when the kernel modules are imported), makes the i
 `backends/nvidia/` packages importable when they are not installed, and works around Triton 3.6's interpreter turning scalar
 kernel arguments into Python ints with `int(array)`, which numpy >= 2.4 refuses for 1-element arrays
 (a `range(0, K, BLOCK)` loop over a runtime K would fail), and multiplying bfloat16 operands of
-`tl.dot` as their raw uint16 storage (they are widened to float32 here, exact for bf16 products), and
-casting float32 to bfloat16 by truncation (the GPU rounds to nearest even; so does the cast here).
+`tl.dot` as their raw uint16 storage (they are widened to float32 here, exact for bf16 products),
+summing float `tl.dot`s in numpy's float32 matmul, whose order can depend on an element's place in the
+product (they are summed in float64 here and rounded once), and casting float32 to bfloat16 by
+truncation (the GPU rounds to nearest even; so does the cast here).
 """
 
 from __future__ import annotations
@@ -52,7 +54,21 @@ def _widened(handle):
 
 
 def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-    return _original_dot(self, _widened(a), _widened(b), d, input_precision, max_num_imprecise_acc)
+    a, b = _widened(a), _widened(b)
+    if not (a.dtype.is_floating() and b.dtype.is_floating() and d.dtype.is_floating()):
+        return _original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+    # Equal rows or columns must give equal sums, as on the GPU, whose MMA sums every element of a tile in
+    # one order. numpy's float32 matmul does not (OpenBLAS' AVX2 kernels sum edge columns in another
+    # order: exact ties came out an ulp apart). In float64 the products of float32 (or narrower) operands
+    # are exact and two orders' sums differ by float64 ulps, which round to one float32 but in the rarest case.
+    a_data, b_data = (_as_float64(handle) for handle in (a, b))
+    return interpreter.TensorHandle(np.matmul(a_data, b_data).astype(d.data.dtype) + d.data, d.dtype.scalar)
+
+
+def _as_float64(handle):
+    if handle.dtype.primitive_bitwidth == 8:  # fp8 codes: as the interpreter reads them, through float16
+        return interpreter._convert_float(handle.data, handle.dtype, tl.float16, None).view(np.float16).astype(np.float64)
+    return handle.data.astype(np.float64)
 
 
 interpreter.InterpreterBuilder.create_dot = _create_dot
