@@ -140,7 +140,9 @@ def build_transformers(raw: dict[str, Any], device: torch.device) -> torch.nn.Mo
 
 
 def step_batch(query_lens: list[int], context_lens: list[int], block_size: int, device: torch.device) -> ForwardBatch:
-    """Sequences i on slot i with consecutive blocks, enough for context + query tokens."""
+    """Sequences i on slot i with consecutive blocks, enough for context + query tokens. The token ids come
+    from a generator of their own: a step's routing, hence the experts it reads and the decode floor, depend
+    only on the step's shape, not on what the process ran before (the global generator's draws)."""
     per_seq = [(c + q) // block_size + 1 for q, c in zip(query_lens, context_lens)]
     width = max(per_seq)
     tables, first = [], 0
@@ -150,7 +152,7 @@ def step_batch(query_lens: list[int], context_lens: list[int], block_size: int, 
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     total = int(starts[-1])
     return ForwardBatch(
-        input_ids=torch.randint(0, 97, (total,), device=device),
+        input_ids=torch.randint(0, 97, (total,), generator=torch.Generator().manual_seed(total)).to(device),
         positions=torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens)]).to(device),
         query_start_loc=starts.to(device),
         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),

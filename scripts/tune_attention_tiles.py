@@ -1,8 +1,9 @@
 """Time the sparse attention kernel (`deepinfer_kernels.sparse_attention`) over tile configurations.
 
 For V4-Flash attention (64 heads sharing one 512-wide KV head, window 128, CSA top-512 / HCA entries) in
-prefill and decode steps: every candidate (BLOCK_H heads per program, BLOCK_N keys per block, warps,
-stages), its output against the current default's, median time and TFLOP/s; for decode steps, the
+prefill and decode steps, on the path the model runs (`rotary_attention`: q normalised and rotated as it
+loads, the output de-rotated as it stores): every candidate (BLOCK_H heads per program, BLOCK_N keys per
+block, warps, stages), its output against the current default's, median time and TFLOP/s; for decode steps, the
 default tiles under each bound on the key splits (`sparse_attention.MAX_KEY_SPLITS`). More heads per program
 load each key once for more heads; fewer give a small decode step more programs. The table tells which
 defaults `sparse_attention.tile_config` should return; it is a script, not a test.
@@ -23,9 +24,11 @@ from kernel_cases import _attention
 from deepinfer_kernels import sparse_attention
 
 CANDIDATES_H = (16, 32, 64)
-CANDIDATES_N_WARPS_STAGES = ((32, 4, 2), (32, 8, 2), (16, 8, 2), (64, 8, 1))
+# 16 warps hold a 64 x 512 float32 accumulator at 64 registers a thread instead of 128
+CANDIDATES_N_WARPS_STAGES = ((32, 4, 2), (32, 8, 2), (16, 8, 2), (64, 8, 1), (64, 8, 2), (32, 16, 2), (64, 16, 2))
 # (step, sequences, new tokens each, cached context)
-STEPS = (("prefill", 1, 4096, 0), ("decode", 1, 1, 8192), ("decode", 16, 1, 8192), ("decode", 64, 1, 8192))
+STEPS = (("prefill", 1, 4096, 0), ("prefill", 1, 8192, 0),
+         ("decode", 1, 1, 8192), ("decode", 16, 1, 8192), ("decode", 64, 1, 8192))
 KEY_SPLITS = (1, 2, 4, 8, 16, 32)
 
 
@@ -47,7 +50,7 @@ def main() -> None:
     for (kind, seqs, q_len, ctx), layer in itertools.product(steps, args.layers.split(",")):
         ratio = {"sliding": 0, "csa": 4, "hca": 128}[layer]
         gen = torch.Generator(device=device).manual_seed(0)
-        run, _, flops, _, _, _ = _attention(ops, None, 64, 512, 128, seqs, q_len, ctx, layer, ratio, False, False,
+        run, _, flops, _, _, _ = _attention(ops, None, 64, 512, 128, seqs, q_len, ctx, layer, ratio, False, True,
                                              gen, device)
         timer = graph_time_ms if kind == "decode" else time_ms  # decode: device time, not the host's launches
         sparse_attention.tile_config = default
