@@ -13,8 +13,8 @@ goldens' PyTorch CPU forward depend on the CPU's BLAS kernels: the hidden stream
 of their largest value on an AVX2 machine (MKL's AVX2 path), so small elements move by much more than
 1e-6 of their own size. With 1e-6 the earlier sessions' machines passed and that one did not.
 Measured on the AVX2 machine: `a_release_like` prompt 1 deviates from 19 (31 of 90 positions) and prompt 2
-from 125 (175 of 300), `b_mixed_ratios` prompt 2 from 293 (7 of 300), each a fragile token; 9–28% of a
-prompt's tokens are fragile. On the earlier machines only `a_release_like` prompt 2 deviated (from 232).
+from 125 (175 of 300), `b_mixed_ratios` prompt 2 from 293 (7 of 300), each a fragile token; 10–28% of the
+90- and 300-token prompts' tokens are fragile. On the earlier machines only `a_release_like` prompt 2 deviated (from 232).
 """
 
 from __future__ import annotations
