@@ -39,11 +39,11 @@ TOKEN_BUDGET = 40  # < every prompt but the first: chunked prefill, chunks split
 
 
 @lru_cache(maxsize=None)
-def engine(name: str, kv_cache_dtype: str, async_scheduling: bool) -> LLM:
+def engine(name: str, kv_cache_dtype: str, async_scheduling: bool, batch_invariant: bool = False) -> LLM:
     return LLM(
         str(FIXTURES / name / "checkpoint"), accelerator=ACCELERATOR, dtype="float32", kv_cache_dtype=kv_cache_dtype,
-        async_scheduling=async_scheduling, max_num_batched_tokens=TOKEN_BUDGET, max_num_seqs=8,
-        num_kv_blocks=160, block_size=8,
+        async_scheduling=async_scheduling, batch_invariant=batch_invariant, max_num_batched_tokens=TOKEN_BUDGET,
+        max_num_seqs=8, num_kv_blocks=160, block_size=8,
     )
 
 
@@ -104,11 +104,10 @@ def test_quantized_kv_matches_golden_up_to_a_fragile_flip(
     print(f"{name}: deviating positions (first, count) per prompt: "
           f"{ {i: (d[0], len(d)) for i, d in deviations.items()} }")
     m = model(name, "fp8_fp4")
-    ratios = sorted(set(m.config.text_config.band_ratios.values()))
     for i, deviating in deviations.items():
         ids = g[f"prompt{i}.input_ids"]
         with monkeypatch.context() as patch:
-            fragile = FragileTokens(patch, len(ids), ratios)
+            fragile = FragileTokens(patch, len(ids), m)
             Runner(m).step({0: ids})
         assert deviating[0] in fragile.positions, (
             f"prompt {i}: first deviation at {deviating[0]} but no quantiser or router decision there is "
@@ -122,10 +121,7 @@ def test_forks_copy_the_quantized_state_and_equal_lone_requests() -> None:
     other chunking and batches change no rounding: otherwise float32 batch noise can land a quantiser
     decision on the other side of its boundary (on an AVX2 machine fork 0 took another token at 10^-6
     noise)."""
-    llm = LLM(
-        str(FIXTURES / "a_release_like" / "checkpoint"), accelerator=ACCELERATOR, dtype="float32",
-        batch_invariant=True, max_num_batched_tokens=TOKEN_BUDGET, max_num_seqs=8, num_kv_blocks=160, block_size=8,
-    )
+    llm = engine("a_release_like", "auto", True, batch_invariant=True)
     assert llm.engine.fork_prompts and llm.engine.runner.cache.kv_cache_dtype == "fp8_fp4"
     prompt = {"prompt_token_ids": golden("a_release_like", quantized=True)["prompt1.input_ids"].tolist()}
     params = dict(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=4)

@@ -34,9 +34,9 @@ class FragileTokens:
     """Positions of a single-sequence prefill from context 0 whose quantiser or router decisions sit
     within FRAGILE_REL of a boundary."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, n_tokens: int, band_ratios: list[int]) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, n_tokens: int, m) -> None:
         self.positions: set[int] = set()
-        self.n_tokens, self.ratios = n_tokens, band_ratios
+        self.n_tokens, self.ratios = n_tokens, sorted(set(m.config.text_config.band_ratios.values()))
         for kind in ("window", "entry", "index"):
             monkeypatch.setattr(KvQuantizer, kind, self._watch(getattr(KvQuantizer, kind)))
         monkeypatch.setattr(KernelOps, "route_fp32", self._watch_router(KernelOps.route_fp32))
@@ -75,7 +75,7 @@ def test_whole_prompt_deviations_start_at_a_fragile_quantizer_decision(
 ) -> None:
     m, g = model(name, "fp8_fp4"), golden(name, quantized=True)
     ids = g[f"prompt{prompt}.input_ids"]
-    fragile = FragileTokens(monkeypatch, len(ids), sorted(set(m.config.text_config.band_ratios.values())))
+    fragile = FragileTokens(monkeypatch, len(ids), m)
     logp = Runner(m).step({0: ids})
     error = (logp - g[f"prompt{prompt}.logprobs"]).abs().amax(-1)
     deviating = (error > LOGPROB_ATOL).nonzero().flatten().tolist()
@@ -96,7 +96,7 @@ def test_quantized_prompt1_matches_layer_by_layer_up_to_a_fragile_flip(name: str
     any of them deviates, and that one must be fragile (with no flip, at every position)."""
     m, g = model(name, "fp8_fp4"), golden(name, quantized=True)
     ids = g["prompt1.input_ids"]
-    fragile = FragileTokens(monkeypatch, len(ids), sorted(set(m.config.text_config.band_ratios.values())))
+    fragile = FragileTokens(monkeypatch, len(ids), m)
     m.trace.start()
     logp = Runner(m).step({0: ids})
     records = m.trace.stop()
