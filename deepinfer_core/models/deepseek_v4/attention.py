@@ -12,6 +12,7 @@ from .cache import LayerCache
 from .compressor import Compressor
 from .factory import ModuleFactory
 from .indexer import Indexer
+from .linear import LinearGroup
 from .rope import rope_inv_freq
 from .step_rows import StepRows
 
@@ -40,16 +41,18 @@ class Attention(nn.Module):
         # The cache's compressor then indexer states, in this order (LayerCache).
         pools = (self.compressor, self.indexer.compressor if self.indexer is not None else None)
         self.pools = [m for m in pools if m is not None]
+        # every projection of x but the indexer's head weights: one launch per weight format
+        self.projections = LinearGroup(self.wq_a, self.wkv, *(w for pool in self.pools for w in (pool.wkv, pool.wgate)))
         self.step_rows = StepRows()
         rope = c.rope_compress if spec.is_compressed else c.rope_main
         self.register_buffer("inv_freq", rope_inv_freq(rope, c.qk_rope_head_dim).to(f.device), persistent=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
         ops, pos = self.ops, batch.positions
-        q_latent = self.q_norm(self.wq_a(x))
+        q_lora, kv_latent, *projections = self.projections(x)
+        q_latent = self.q_norm(q_lora)
         q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)  # normalised and rotated by the attention
-        kv = ops.rope(self.kv_norm(self.wkv(x)), pos, self.inv_freq, inplace=True)
-        projections = [p for pool in self.pools for p in pool.project(x)]
+        kv = ops.rope(self.kv_norm(kv_latent), pos, self.inv_freq, inplace=True)
         # Every row of the step reaches the cache; this process's queries (`batch`) read it.
         keys, step = self.step_rows.share_keys([kv, *projections], batch, cache.window)
         step_kv, projections = keys[0], keys[1:]

@@ -23,14 +23,11 @@ class Compressor(nn.Module):
         self.ape = f.param(ratio, proj, dtype=torch.float32)
         self.norm = f.norm(width)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kv, gate) [T, P]: the raw projections that `forward` pools, row by row."""
-        return self.wkv(x), self.wgate(x)
-
     def forward(
         self, kv: torch.Tensor, gate: torch.Tensor, inv_freq: torch.Tensor, batch: ForwardBatch, state: CompressorState
     ) -> None:
-        """Emits this step's closed windows into `state.entries` (see `KernelOps.compress_kv`)."""
+        """Pools kv = x Wkv and gate = x Wgate [T, P] (the attention's `projections` form them) and emits this
+        step's closed windows into `state.entries` (see `KernelOps.compress_kv`)."""
         self.ops.compress_kv(
             kv, gate, self.ape, self.norm.weight, self.norm.eps, inv_freq,
             self.ratio, self.overlap, state.state_kv, state.state_gate, state.entries, batch,

@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from deepinfer_core.models.deepseek_v4.linear import LinearGroup
 from deepinfer_core.models.deepseek_v4.rope import rope_inv_freq
 from deepinfer_core.models.forward_batch import ForwardBatch
 
@@ -55,6 +56,7 @@ class Attention(nn.Module):
         self.wq_b = f.linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, quantizable=True)
         self.wkv = f.linear(c.hidden_size, c.head_dim, quantizable=True)
         self.kv_norm = f.norm(c.head_dim)
+        self.latents = LinearGroup(self.wq_a, self.wkv)  # both of x, one launch
         group_width = c.num_attention_heads * c.head_dim // c.o_groups
         self.wo_a = f.linear(group_width, c.o_groups * c.o_lora_rank, quantizable=True)
         self.wo_b = f.linear(c.o_groups * c.o_lora_rank, c.hidden_size, quantizable=True)
@@ -69,9 +71,10 @@ class Attention(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, cache: DeepseekV41Cache, state: ForwardState
     ) -> torch.Tensor:
         ops, pos = self.ops, batch.positions
-        q_latent = self.q_norm(self.wq_a(x))
+        q_lora, kv_latent = self.latents(x)
+        q_latent = self.q_norm(q_lora)
         q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)  # rotated by the attention
-        kv = self.kv.window(ops.rope(self.kv_norm(self.wkv(x)), pos, self.inv_freq))
+        kv = self.kv.window(ops.rope(self.kv_norm(kv_latent), pos, self.inv_freq))
         if self.compressor is not None:
             state.band = BandState(self.layer, cache.bands[self.layer])
             self._publish(x, batch, state.band)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer_core.models.deepseek_v4.linear import LinearGroup
 from deepinfer_core.models.forward_batch import ForwardBatch
 
 from .cache import BandCache
@@ -34,15 +35,15 @@ class Compressor(nn.Module):
         self.wkv = f.linear(c.hidden_size, c.head_dim, quantizable=False)
         self.wgate = f.linear(c.hidden_size, c.head_dim, quantizable=False) if ratio > 1 else None
         self.norm = f.norm(c.head_dim)
+        # (kv, gate) of a float32 x in one launch (ratio > 1)
+        self.projections = LinearGroup(self.wkv, self.wgate) if self.wgate is not None else None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, band: BandCache) -> NewGroups:
         device = x.device
         seq_index = batch.row_sequences()
         if self.wgate is None:
             return NewGroups(self.norm(self.wkv(x)), batch.positions.to(torch.long), seq_index)
-        x32 = x.float()
-        kv = self.ops.linear(x32, self.wkv.weight, self.wkv.scale, self.wkv.block)
-        gate = self.ops.linear(x32, self.wgate.weight, self.wgate.scale, self.wgate.block)
+        kv, gate = self.projections(x.float())
         r, pooled_kv, pooled_gate, entry_ids, seqs = self.ratio, [], [], [], []
         start = 0
         for i, (slot, n_q, ctx) in enumerate(zip(batch.slot_ids_cpu, batch.query_lens_cpu, batch.context_lens_cpu)):

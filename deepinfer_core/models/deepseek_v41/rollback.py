@@ -93,9 +93,7 @@ class StepSnapshot:
 
     def _restore_open_group(self, source: int, compressor, x: torch.Tensor, rejected: list[int], kept: list[int]):
         batch, band = self.batch, self.owner.cache.bands[source]
-        x32 = x.float()
-        kv = compressor.ops.linear(x32, compressor.wkv.weight, compressor.wkv.scale, compressor.wkv.block)
-        gate = compressor.ops.linear(x32, compressor.wgate.weight, compressor.wgate.scale, compressor.wgate.block)
+        kv, gate = compressor.projections(x.float())
         saved_kv, saved_gate = self.open_rows[source]
         r = band.ratio
         starts = [0] + torch.tensor(batch.query_lens_cpu).cumsum(0).tolist()[:-1]
