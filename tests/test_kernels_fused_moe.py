@@ -91,6 +91,24 @@ def test_the_shared_expert_in_the_routed_launches_equals_it_run_apart(fmt):
         moe_routed(x, weights, ids, stack, 1.5, shared=_mlp("dense", 96, 32, torch.Generator(), torch.bfloat16))
 
 
+@pytest.mark.parametrize("fmt,fp8_activations", [("dense", False), ("fp8", False), ("fp8", True), ("fp4", False)])
+def test_prefill_tiles_run_half_empty_row_blocks_as_half_tiles(monkeypatch, fmt, fp8_activations):
+    """128-row blocks (the prefill tiles): the routed experts' runs (~43 rows) end in blocks of more than
+    half padding, computed as 64-row tiles; the shared expert's 100 rows take the whole tile."""
+    from deepinfer_kernels import fused_moe
+
+    assert fused_moe.half_tails(128, False) and not fused_moe.half_tails(128, True)
+    assert not fused_moe.half_tails(tile_config(8, 0, False)[0], False)
+    monkeypatch.setattr(fused_moe, "tile_config", lambda *_: (128, 32, 32, 4, 2))
+    x, weights, ids, mlps, shared = _inputs(fmt, torch.bfloat16, 100, seed=6)
+    if fp8_activations:
+        shared = _mlp("fp8", 96, 64, torch.Generator().manual_seed(9), torch.bfloat16)
+    ops, reference = TritonOps(), KernelOps()
+    ops.fp8_activations = reference.fp8_activations = fp8_activations
+    out = ops.fused_moe(x, weights, ids, mlps, shared, 1.5)
+    assert_matches(out, reference.fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[torch.bfloat16])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 23])
 def test_fused_moe_with_fp8_activations_matches_reference(dtype, tokens):

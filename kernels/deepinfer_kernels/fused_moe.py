@@ -32,7 +32,8 @@ from deepinfer_kernels.weight_tiles import (
 )
 
 __all__ = [
-    "StackedExperts", "gate_up_register_cap", "moe_routed", "moe_supported", "shared_fusable", "step_pairs", "tile_config",
+    "StackedExperts", "gate_up_register_cap", "half_tails", "moe_routed", "moe_supported", "shared_fusable",
+    "step_pairs", "tile_config",
 ]
 
 
@@ -105,7 +106,7 @@ def _gate_up_kernel(
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
     SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, HALF_TAILS: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
     # All column tiles of a row block, then the next: programs start in id order, so a block's rows are
@@ -117,7 +118,33 @@ def _gate_up_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= NUM_ROUTED + SHARED:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # An expert run's last row block holds its rows first: at half or less, half a tile computes it.
+    if HALF_TAILS and tl.load(row_entry_ptr + pid_m * BLOCK_M + BLOCK_M // 2) < 0:
+        _gate_up_rows(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr,
+                      row_entry_ptr, pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, limit, stride_xm,
+                      stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_am,
+                      FORMAT, SCALE_BN, SCALE_BK, BLOCK_M // 2, BLOCK_N, BLOCK_K, IEEE, A8, SHARED,
+                      SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, SHARED_BLOCK_K)
+    else:
+        _gate_up_rows(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr,
+                      row_entry_ptr, pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, limit, stride_xm,
+                      stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_am,
+                      FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8, SHARED,
+                      SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, SHARED_BLOCK_K)
+
+
+@triton.jit
+def _gate_up_rows(
+    x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr, row_entry_ptr,
+    row0, expert, pid_n, N, K, TOP_K, NUM_ROUTED, limit,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_am,
+    FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr,
+):
+    """act for BLOCK_M rows from row0 of `expert`'s run (launch 1 of `moe_routed`)."""
+    offs_m = row0 + tl.arange(0, BLOCK_M)
     entry = tl.load(row_entry_ptr + offs_m)
     token = tl.where(entry >= 0, entry // (TOP_K + SHARED), 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -190,7 +217,7 @@ def _down_kernel(
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
     SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, HALF_TAILS: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
     pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)  # row block by row block, as in `_gate_up_kernel`
@@ -198,7 +225,32 @@ def _down_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= NUM_ROUTED + SHARED:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if HALF_TAILS and tl.load(row_entry_ptr + pid_m * BLOCK_M + BLOCK_M // 2) < 0:  # as in `_gate_up_kernel`
+        _down_rows(act_ptr, as_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, route_w_ptr, row_entry_ptr,
+                   pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, stride_am, stride_asm, stride_we,
+                   stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_ym, FORMAT, SCALE_BN, SCALE_BK,
+                   BLOCK_M // 2, BLOCK_N, BLOCK_K, IEEE, A8, SHARED, SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK,
+                   SHARED_BLOCK_K)
+    else:
+        _down_rows(act_ptr, as_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, route_w_ptr, row_entry_ptr,
+                   pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, stride_am, stride_asm, stride_we,
+                   stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_ym, FORMAT, SCALE_BN, SCALE_BK,
+                   BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8, SHARED, SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK,
+                   SHARED_BLOCK_K)
+
+
+@triton.jit
+def _down_rows(
+    act_ptr, as_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, route_w_ptr, row_entry_ptr, row0, expert, pid_n,
+    N, K, TOP_K, NUM_ROUTED,
+    stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_ym,
+    FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr,
+):
+    """y for BLOCK_M rows from row0 of `expert`'s run (launch 2 of `moe_routed`)."""
+    offs_m = row0 + tl.arange(0, BLOCK_M)
     entry = tl.load(row_entry_ptr + offs_m)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w2 = w2_ptr + expert.to(tl.int64) * stride_we
@@ -267,6 +319,14 @@ def tile_config(pairs: int, fmt: int, batch_invariant: bool) -> tuple[int, int, 
     if fmt == 2 and pairs <= 16:  # a token or two: twice the programs
         return (16, 32, 128, 4, 3)
     return (16, 64, 128, 4, 3)
+
+
+def half_tails(block_m: int, batch_invariant: bool) -> bool:
+    """Whether a row block that is half padding or more (an expert run's last) runs as half a tile. At
+    8,192 tokens of 256 experts, top-6, an expert's run ends in a partial 128-row block, on average half
+    empty: a fifth of the MMA rows were padding. Not in batch-invariant mode (a row's tile shape would
+    depend on its batch) nor with decode tiles (16 rows: too few to halve)."""
+    return block_m >= 128 and not batch_invariant
 
 
 def gate_up_register_cap(
@@ -378,6 +438,7 @@ def moe_routed(
         SHARED=fused, SHARED_FORMAT=shared_fmt if mixed else kernel_format,
         SHARED_SCALE_BN=shared.block[0] if mixed else scale_bn, SHARED_SCALE_BK=shared.block[1] if mixed else scale_bk,
         SHARED_BLOCK_K=min(block_k, shared.block[1]) if mixed else block_k,
+        HALF_TAILS=half_tails(block_m, batch_invariant),
     )
     row_entry, block_expert = moe_plan(ids, experts.local_ids, experts.num_held, block_m, fused)
     x = x.contiguous()
