@@ -68,7 +68,8 @@ class KernelOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim.
 
-        x: [..., D] any float dtype; weight: [D] (float32 in the models) or None (unweighted).
+        x: [..., D] any float dtype, possibly a view with strided rows (the models pass column slices of one
+        projection's output; `LinearGroup`); weight: [D] (float32 in the models) or None (unweighted).
         Computes in float32: x * rsqrt(mean(x^2) + eps) * weight, cast back to x.dtype.
         Tolerance: float32 1e-5 relative, bfloat16 one bf16 ulp (rtol 1e-2).
         """
@@ -241,7 +242,8 @@ class KernelOps:
     ) -> None:
         """Gated pooling compressor: emit every entry closed by this step's tokens into the paged cache.
 
-        kv, gate: [T, P] raw projections of the step's tokens (P = 2c with overlap (CSA), else c);
+        kv, gate: [T, P] raw projections of the step's tokens (P = 2c with overlap (CSA), else c), possibly
+        column slices of one wider tensor (strided rows);
         ape: [ratio, P] float32; norm_weight [c] float32; inv_freq [r/2] float32.
         Entry w pools the tokens of window [w*ratio, (w+1)*ratio): per channel, a float32 softmax over the
         slots of (gate + ape[s % ratio]) weights the kv values. With overlap, the slots are the first halves

@@ -107,14 +107,19 @@ def _hc_head_inputs(gen, dt):
     return (_randn(gen, 7, n, d, dtype=dt), fn, base, scale, 1e-6, 1e-6), {}
 
 
-def _compress_inputs(gen, dt, ratio, overlap):
+def _compress_inputs(gen, dt, ratio, overlap, column_views=False):
+    """column_views: kv and gate as column slices of one wider projection output (`LinearGroup`)."""
     width, block_size, num_blocks, num_slots = 16, 8, 24, 6
     batch = _step_batch(gen, _QUERY_LENS, _CONTEXT_LENS, num_slots, blocks_per_seq=4, num_blocks=num_blocks)
     proj = 2 * width if overlap else width
     span = 2 * ratio if overlap else ratio
     tokens = batch.num_tokens
+    if column_views:
+        kv, gate = _randn(gen, tokens, 2 * proj + 8, dtype=dt)[:, 8:].split(proj, dim=1)
+    else:
+        kv, gate = _randn(gen, tokens, proj, dtype=dt), _randn(gen, tokens, proj, dtype=dt)
     args = (
-        _randn(gen, tokens, proj, dtype=dt), _randn(gen, tokens, proj, dtype=dt), _randn(gen, ratio, proj) * 0.5,
+        kv, gate, _randn(gen, ratio, proj) * 0.5,
         torch.rand(width, generator=gen) + 0.5, 1e-6,
         1.0 / (160000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8)), ratio, overlap,
         _randn(gen, num_slots, span, proj, dtype=dt), _randn(gen, num_slots, span, proj, dtype=dt),
@@ -255,6 +260,11 @@ OP_CASES: list[OpCase] = [
         lambda g, dt: ((_randn(g, 5, 64, dtype=dt), None, 1e-6), {}),
         rtol=_TOL_RTOL, atol=_TOL_ATOL,
     ),
+    OpCase(  # a column slice of a wider output, as the models' grouped projections give it
+        "rms_norm", "column_view",
+        lambda g, dt: ((_randn(g, 9, 160, dtype=dt)[:, 32:], _randn(g, 128).abs() + 0.5, 1e-6), {}),
+        rtol=_TOL_RTOL, atol=_TOL_ATOL,
+    ),
     OpCase(
         "linear", "odd_shapes",
         lambda g, dt: ((_randn(g, 13, 96, dtype=dt), _randn(g, 37, 96, dtype=dt) / 10), {}),
@@ -312,6 +322,10 @@ OP_CASES: list[OpCase] = [
     OpCase(
         "compress_kv", "hca",
         lambda g, dt: _compress_inputs(g, dt, 8, False), rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
+    ),
+    OpCase(
+        "compress_kv", "csa_column_views",
+        lambda g, dt: _compress_inputs(g, dt, 4, True, column_views=True), rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
     ),
     # Integer output: exact. Random scores over <= 8 entries essentially never tie.
     OpCase("indexer_topk", "mixed_step", _indexer_inputs, dtypes=(torch.float32,)),
