@@ -148,9 +148,10 @@ def _case_inputs(
 
 def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
-        if value._base is not None and not value.is_contiguous():  # a strided view: ops must read its strides
-            base = value._base.contiguous().to(device, copy=True)
-            return base.as_strided(value.shape, value.stride(), value.storage_offset() - value._base.storage_offset())
+        base = value._base
+        if base is not None and base.is_contiguous() and not value.is_contiguous():  # a view: ops read its strides
+            moved = base.to(device, copy=True)
+            return moved.as_strided(value.shape, value.stride(), value.storage_offset() - base.storage_offset())
         return value.to(device, copy=True)
     if isinstance(value, (tuple, list)):
         return type(value)(_to_device(item, device) for item in value)

@@ -71,7 +71,7 @@ class LinearGroup(nn.Module):
         self._order: list[tuple[int, int]] = []  # part i -> (its stack, its place in that stack's split)
         members: dict[tuple, list[Linear]] = {}
         for part in parts:
-            key = _stack_key(part, len(members))
+            key = _stack_key(part)
             members.setdefault(key, []).append(part)
             self._order.append((list(members).index(key), len(members[key]) - 1))
         for group in members.values():
@@ -84,11 +84,11 @@ class LinearGroup(nn.Module):
         return tuple(outs[stack][i] for stack, i in self._order)
 
 
-def _stack_key(part: Linear, fresh: int) -> tuple:
+def _stack_key(part: Linear) -> tuple:
     """Parts of equal keys share a tensor; an fp8 part of rows that are not whole scale blocks gets a key
-    of its own (`fresh`)."""
+    of its own."""
     if part.block is not None and part.weight.shape[0] % part.block[0]:
-        return ("alone", fresh)
+        return ("alone", id(part))
     scale = part.scale
     return (part.weight.dtype, tuple(part.weight.shape[1:]), part.block,
             None if scale is None else (scale.dtype, tuple(scale.shape[1:])))
