@@ -93,8 +93,11 @@ def load_weight_tile(
     rows = offs_n[:, None].to(tl.int64)
     if FORMAT >= 2:
         words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        # K is whole 32-column groups, so its word count is a multiple of 4, written so that the compiler
+        # sees it: the mask then covers four words at a time and a row's words load 16 bytes a thread
+        # (K // 8 made them 8-byte copies through L1: the decode-sized MoE 8-9% slower, BENCHMARKS.md)
         packed = tl.load(w_ptr + rows * stride_wn + words[None, :],
-                         mask=(offs_n[:, None] < N) & (words[None, :] < K // 8), other=0)
+                         mask=(offs_n[:, None] < N) & (words[None, :] < (K // 32) * 4), other=0)
         groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         scale_bytes = tl.load(s_ptr + rows * stride_sn + groups[None, :],
                               mask=(offs_n[:, None] < N) & (groups[None, :] < K // 32), other=127).to(tl.int32)
