@@ -91,6 +91,17 @@ def test_the_shared_expert_in_the_routed_launches_equals_it_run_apart(fmt):
         moe_routed(x, weights, ids, stack, 1.5, shared=_mlp("dense", 96, 32, torch.Generator(), torch.bfloat16))
 
 
+def test_the_slot_sum_stores_the_activation_dtype_with_one_rounding():
+    """With nothing added after the routed launches (shared expert fused or absent), the slot sum stores x's
+    dtype itself: the float32 sum rounded once, bit for bit what converting the float32 result gives."""
+    x, weights, ids, mlps, shared = _inputs("dense", torch.bfloat16, 23, seed=6)
+    stack = TritonOps()._stack(mlps, x.device)
+    summed = moe_routed(x, weights, ids, stack, 1.5, shared=shared)
+    stored = moe_routed(x, weights, ids, stack, 1.5, shared=shared, out_dtype=torch.bfloat16)
+    assert summed.dtype == torch.float32 and stored.dtype == torch.bfloat16
+    assert torch.equal(stored, summed.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("fmt,fp8_activations", [("dense", False), ("fp8", False), ("fp8", True), ("fp4", False)])
 def test_prefill_tiles_run_half_empty_row_blocks_as_half_tiles(monkeypatch, fmt, fp8_activations):
     """128-row blocks (the prefill tiles): the routed experts' runs (~43 rows) end in blocks of more than

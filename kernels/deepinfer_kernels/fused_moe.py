@@ -286,7 +286,8 @@ _SUM_COLUMNS = 1024
 
 @triton.jit
 def _sum_slots_kernel(y_ptr, out_ptr, D, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = y[t, 0] + y[t, 1] + ... in float32, in slot order (the shared expert last): a token's sum
+    """out[t] = y[t, 0] + y[t, 1] + ... in float32 (then rounded to out's dtype), in slot order (the shared
+    expert last): a token's sum
     never depends on the batch. 0.84 of the copy bandwidth at 8,192 tokens, torch's sum over the slot dim
     0.50 (BENCHMARKS.md)."""
     wait_for_previous_grid(PDL)
@@ -296,7 +297,7 @@ def _sum_slots_kernel(y_ptr, out_ptr, D, SLOTS: tl.constexpr, BLOCK_D: tl.conste
     total = tl.load(y_ptr + token * SLOTS * D + cols, mask=ok, other=0.0).to(tl.float32)
     for slot in tl.static_range(1, SLOTS):
         total += tl.load(y_ptr + (token * SLOTS + slot) * D + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + token * D + cols, total, mask=ok)
+    tl.store(out_ptr + token * D + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # Steps of this many (token, expert) pairs or more take the prefill tiles.
@@ -403,9 +404,11 @@ def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch
 def moe_routed(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: StackedExperts, swiglu_limit: float,
     batch_invariant: bool = False, fp8_activations: bool = False, shared: MlpWeights | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """sum_k weights[t, k] * mlp_{ids[t, k]}(x[t]) (+ mlp_shared(x[t]), added last) in float32 [T, D];
-    experts not held add nothing.
+    """sum_k weights[t, k] * mlp_{ids[t, k]}(x[t]) (+ mlp_shared(x[t]), added last), summed in float32 and
+    stored as out_dtype [T, D] (x's dtype when nothing is added to it after: one rounding, no conversion
+    launch); experts not held add nothing.
 
     shared: the shared expert (see `shared_fusable`), run in the same two launches as one more pair of
     weight 1 per token, so its output meets the same roundings as the reference's separate MLP.
@@ -481,7 +484,7 @@ def moe_routed(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, **shared_args,
         num_warps=warps, num_stages=stages, **launch_options(x.device),
     )
-    total = torch.empty((tokens, hidden), dtype=torch.float32, device=x.device)
+    total = torch.empty((tokens, hidden), dtype=out_dtype, device=x.device)
     if tokens:
         _sum_slots_kernel[(tokens, triton.cdiv(hidden, _SUM_COLUMNS))](
             y, total, hidden, SLOTS=slots, BLOCK_D=_SUM_COLUMNS, **launch_options(y.device)

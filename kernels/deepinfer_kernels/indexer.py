@@ -27,6 +27,7 @@ import triton.language as tl
 
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
+from deepinfer_kernels.step_layout import sequence_end
 
 __all__ = ["indexer_topk", "indexer_supported", "tile_config"]
 
@@ -73,7 +74,7 @@ def _dot_keys(q, keys, IEEE: tl.constexpr):
 
 @triton.jit
 def _indexer_scores_kernel(
-    q_ptr, hw_ptr, keys_ptr, tables_ptr, n_entries_ptr, pos_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr,
+    q_ptr, hw_ptr, keys_ptr, tables_ptr, query_start_ptr, context_lens_ptr, pos_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr,
     out_ptr, H, ratio, per_block, stride_table, stride_page, stride_slot, stride_out, head_scale, dim_scale, W_TILES,
     DI: tl.constexpr, IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -88,7 +89,7 @@ def _indexer_scores_kernel(
     w = first_w + tl.arange(0, BLOCK_W)
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
     limit = tl.where(row_ok, (pos + 1) // ratio, 0)
-    n_entries = tl.load(n_entries_ptr + seq)
+    n_entries = sequence_end(query_start_ptr, context_lens_ptr, seq) // ratio
     visible = (w[None, :] < limit[:, None]) & (w[None, :] < n_entries)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + w[None, :]
     out_ok = row_ok[:, None] & (w[None, :] < stride_out)
@@ -108,7 +109,7 @@ def _indexer_scores_kernel(
 
 @triton.jit
 def _decode_scores_kernel(
-    q_ptr, hw_ptr, keys_ptr, tables_ptr, n_entries_ptr, pos_ptr, out_ptr, H, ratio, per_block, stride_table,
+    q_ptr, hw_ptr, keys_ptr, tables_ptr, query_start_ptr, context_lens_ptr, pos_ptr, out_ptr, H, ratio, per_block, stride_table,
     stride_page, stride_slot, stride_out, head_scale, dim_scale,
     DI: tl.constexpr, HEADS: tl.constexpr, IEEE: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -116,7 +117,7 @@ def _decode_scores_kernel(
     # program (sequence, entry tile): the sequence's one query row is its index
     seq = tl.program_id(0)
     w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    n_entries = tl.load(n_entries_ptr + seq)
+    n_entries = sequence_end(query_start_ptr, context_lens_ptr, seq) // ratio
     limit = tl.minimum((tl.load(pos_ptr + seq) + 1) // ratio, n_entries)
     out_ptrs = out_ptr + seq.to(tl.int64) * stride_out + w
     if tl.program_id(1) * BLOCK_W < limit:
@@ -182,19 +183,23 @@ def indexer_topk(
     """`KernelOps.indexer_topk`: int64 [T, topk] visible entries by descending score, -1 padded."""
     t, h, di = q.shape
     device = q.device
-    # entries per sequence on the device; the score width from the host (or the graph's bound)
-    n_entries = ((batch.context_lens + batch.query_start_loc[1:] - batch.query_start_loc[:-1]) // ratio).int()
+    # the score width from the host (or the graph's bound); each sequence's entry count is read in the kernels
     if batch.max_seq_len is not None:
         width = batch.max_seq_len // ratio
     else:
         width = max((c + n) // ratio for c, n in zip(batch.context_lens_cpu, batch.query_lens_cpu)) if t else 0
-    out = torch.full((t, topk), -1, dtype=torch.long, device=device)
+    # Both top-k paths write every slot below the score width (-1 for an invisible entry): only a row
+    # narrower than top-k needs its tail filled first, a launch saved on every other step.
+    if width < topk:
+        out = torch.full((t, topk), -1, dtype=torch.long, device=device)
+    else:
+        out = torch.empty((t, topk), dtype=torch.long, device=device)
     if t == 0 or width == 0:
         return out
     decode_step = all(n == 1 for n in batch.query_lens_cpu)
     scores = torch.empty(t, width, dtype=torch.float32, device=device)
     q, head_weights = q.contiguous(), head_weights.contiguous()
-    paging = (index_keys, batch.block_tables, n_entries, batch.positions)
+    paging = (index_keys, batch.block_tables, batch.query_start_loc, batch.context_lens, batch.positions)
     strides = (index_keys.shape[1], batch.block_tables.stride(0), index_keys.stride(0), index_keys.stride(1), width)
     if decode_step and not batch_invariant:
         _decode_scores_kernel[(t, triton.cdiv(width, _DECODE_BLOCK_W))](

@@ -124,11 +124,11 @@ class TritonOps(KernelOps):
                 return super().fused_moe(x, weights, ids, experts, shared, swiglu_limit)
             pairs = self._step_pairs(ids, self.batch_invariant)
             fused = shared is not None and self._shared_fusable(stack, shared, self.fp8_activations, pairs)
+            apart = None if fused else shared
             out = self._moe_routed(
                 x, weights, ids, stack, swiglu_limit, self.batch_invariant, self.fp8_activations,
-                shared if fused else None,
+                shared if fused else None, out_dtype=torch.float32 if apart is not None else x.dtype,
             )
-            apart = None if fused else shared
         else:
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if apart is not None:  # not fusable (`fused_moe.shared_fusable`), or no expert held
