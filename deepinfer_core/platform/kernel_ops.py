@@ -291,7 +291,8 @@ class KernelOps:
     ) -> torch.Tensor:
         """Lightning indexer: per query, the compressed entries with the top scores.
 
-        q: [T, Hi, di] (RoPE applied); head_weights: [T, Hi] (raw weights_proj output); index_keys: paged
+        q: [T, Hi, di] (RoPE applied); head_weights: [T, Hi] (raw weights_proj output; its rows may be
+        strided: the model passes columns of a wider projection output); index_keys: paged
         [num_blocks, block_size // ratio, di] holding entries 0 .. (context_len+q)//ratio - 1 of each sequence.
         Score(t, w) = sum_h (head_weights[t,h] * Hi^-0.5) * ReLU(q[t,h] . K[w]) * di^-0.5, in float32.
         Entries w >= (pos_t+1)//ratio are not visible. Returns int64 [T, topk]: the visible entries in

@@ -128,12 +128,16 @@ def _compress_inputs(gen, dt, ratio, overlap, column_views=False):
     return args, {}
 
 
-def _indexer_inputs(gen, dt):
+def _indexer_inputs(gen, dt, column_view=False):
+    """column_view: the head weights as columns of a wider projection output (`LinearGroup`)."""
     ratio, block_size = 4, 8
     batch = _step_batch(gen, _QUERY_LENS, _CONTEXT_LENS, 6, blocks_per_seq=4, num_blocks=24)
     keys = _randn(gen, 24, block_size // ratio, 16, dtype=dt)
-    return (_randn(gen, batch.num_tokens, 8, 16, dtype=dt), _randn(gen, batch.num_tokens, 8, dtype=dt),
-            keys, ratio, 3, batch), {}
+    if column_view:
+        head_weights = _randn(gen, batch.num_tokens, 24, dtype=dt)[:, 16:]
+    else:
+        head_weights = _randn(gen, batch.num_tokens, 8, dtype=dt)
+    return (_randn(gen, batch.num_tokens, 8, 16, dtype=dt), head_weights, keys, ratio, 3, batch), {}
 
 
 def _attention_inputs(gen, dt, ratio, with_selection):
@@ -329,6 +333,8 @@ OP_CASES: list[OpCase] = [
     ),
     # Integer output: exact. Random scores over <= 8 entries essentially never tie.
     OpCase("indexer_topk", "mixed_step", _indexer_inputs, dtypes=(torch.float32,)),
+    OpCase("indexer_topk", "head_weights_column_view", lambda g, dt: _indexer_inputs(g, dt, column_view=True),
+           dtypes=(torch.float32,)),
     OpCase(
         "sparse_attention", "sliding",
         lambda g, dt: _attention_inputs(g, dt, 0, False), rtol=_WIDE_RTOL, atol=_WIDE_ATOL,

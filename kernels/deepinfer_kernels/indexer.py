@@ -74,8 +74,9 @@ def _dot_keys(q, keys, IEEE: tl.constexpr):
 
 @triton.jit
 def _indexer_scores_kernel(
-    q_ptr, hw_ptr, keys_ptr, tables_ptr, query_start_ptr, context_lens_ptr, pos_ptr, tile_seq_ptr, tile_start_ptr, tile_end_ptr,
-    out_ptr, H, ratio, per_block, stride_table, stride_page, stride_slot, stride_out, head_scale, dim_scale, W_TILES,
+    q_ptr, hw_ptr, keys_ptr, tables_ptr, query_start_ptr, context_lens_ptr, pos_ptr, tile_seq_ptr, tile_start_ptr,
+    tile_end_ptr, out_ptr, H, stride_hw, ratio, per_block, stride_table, stride_page, stride_slot, stride_out, head_scale,
+    dim_scale, W_TILES,
     DI: tl.constexpr, IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
@@ -100,7 +101,7 @@ def _indexer_scores_kernel(
         for h in range(H):
             q = tl.load(q_ptr + (rows.to(tl.int64)[:, None] * H + h) * DI + dims[None, :], mask=row_ok[:, None], other=0.0)
             s = _dot_keys(q, keys, IEEE)
-            weight = tl.load(hw_ptr + rows * H + h, mask=row_ok, other=0.0).to(tl.float32) * head_scale
+            weight = tl.load(hw_ptr + rows * stride_hw + h, mask=row_ok, other=0.0).to(tl.float32) * head_scale
             acc += (tl.maximum(s, 0.0) * dim_scale) * weight[:, None]
         tl.store(out_ptrs, tl.where(visible, acc, float("-inf")), mask=out_ok)
     else:
@@ -109,8 +110,8 @@ def _indexer_scores_kernel(
 
 @triton.jit
 def _decode_scores_kernel(
-    q_ptr, hw_ptr, keys_ptr, tables_ptr, query_start_ptr, context_lens_ptr, pos_ptr, out_ptr, H, ratio, per_block, stride_table,
-    stride_page, stride_slot, stride_out, head_scale, dim_scale,
+    q_ptr, hw_ptr, keys_ptr, tables_ptr, query_start_ptr, context_lens_ptr, pos_ptr, out_ptr, H, stride_hw, ratio, per_block,
+    stride_table, stride_page, stride_slot, stride_out, head_scale, dim_scale,
     DI: tl.constexpr, HEADS: tl.constexpr, IEEE: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
@@ -127,7 +128,7 @@ def _decode_scores_kernel(
         q = tl.load(q_ptr + (seq.to(tl.int64) * H + heads[:, None]) * DI + tl.arange(0, DI)[None, :],
                     mask=head_ok[:, None], other=0.0)
         s = _dot_keys(q, keys, IEEE)
-        weight = tl.load(hw_ptr + seq * H + heads, mask=head_ok, other=0.0).to(tl.float32) * head_scale
+        weight = tl.load(hw_ptr + seq * stride_hw + heads, mask=head_ok, other=0.0).to(tl.float32) * head_scale
         score = tl.sum((tl.maximum(s, 0.0) * dim_scale) * weight[:, None], axis=0)
         tl.store(out_ptrs, tl.where(w < limit, score, float("-inf")), mask=w < stride_out)
     else:
@@ -198,12 +199,14 @@ def indexer_topk(
         return out
     decode_step = all(n == 1 for n in batch.query_lens_cpu)
     scores = torch.empty(t, width, dtype=torch.float32, device=device)
-    q, head_weights = q.contiguous(), head_weights.contiguous()
+    # head weights may be a column view of a wider projection output (strided rows)
+    q = q.contiguous()
+    head_weights = head_weights if head_weights.stride(-1) == 1 else head_weights.contiguous()
     paging = (index_keys, batch.block_tables, batch.query_start_loc, batch.context_lens, batch.positions)
     strides = (index_keys.shape[1], batch.block_tables.stride(0), index_keys.stride(0), index_keys.stride(1), width)
     if decode_step and not batch_invariant:
         _decode_scores_kernel[(t, triton.cdiv(width, _DECODE_BLOCK_W))](
-            q, head_weights, *paging, scores, h, ratio, *strides, h ** -0.5, di ** -0.5,
+            q, head_weights, *paging, scores, h, head_weights.stride(0), ratio, *strides, h ** -0.5, di ** -0.5,
             DI=di, HEADS=max(16, triton.next_power_of_2(h)), IEEE=q.dtype == torch.float32, BLOCK_W=_DECODE_BLOCK_W,
             **launch_options(q.device),
         )
@@ -212,7 +215,7 @@ def indexer_topk(
         tiles = _query_tiles(batch.query_lens_cpu, block_q, decode_step, device)
         w_tiles = triton.cdiv(width, block_w)
         _indexer_scores_kernel[(tiles.shape[1] * w_tiles,)](
-            q, head_weights, *paging, tiles[0], tiles[1], tiles[2], scores, h, ratio, *strides,
+            q, head_weights, *paging, tiles[0], tiles[1], tiles[2], scores, h, head_weights.stride(0), ratio, *strides,
             h ** -0.5, di ** -0.5, w_tiles, DI=di, IEEE=q.dtype == torch.float32, BLOCK_Q=block_q, BLOCK_W=block_w,
             **launch_options(q.device),
         )

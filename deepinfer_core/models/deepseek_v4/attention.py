@@ -41,8 +41,11 @@ class Attention(nn.Module):
         # The cache's compressor then indexer states, in this order (LayerCache).
         pools = (self.compressor, self.indexer.compressor if self.indexer is not None else None)
         self.pools = [m for m in pools if m is not None]
-        # every projection of x but the indexer's head weights: one launch per weight format
-        self.projections = LinearGroup(self.wq_a, self.wkv, *(w for pool in self.pools for w in (pool.wkv, pool.wgate)))
+        # every projection of x (the indexer's head weights last): one launch per weight format
+        head_weights = [self.indexer.weights_proj] if self.indexer is not None else []
+        self.projections = LinearGroup(
+            self.wq_a, self.wkv, *(w for pool in self.pools for w in (pool.wkv, pool.wgate)), *head_weights
+        )
         self.step_rows = StepRows()
         rope = c.rope_compress if spec.is_compressed else c.rope_main
         self.register_buffer("inv_freq", rope_inv_freq(rope, c.qk_rope_head_dim).to(f.device), persistent=False)
@@ -50,6 +53,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
         ops, pos = self.ops, batch.positions
         q_lora, kv_latent, *projections = self.projections(x)
+        head_weights = projections.pop() if self.indexer is not None else None
         q_latent = self.q_norm(q_lora)
         q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)  # normalised and rotated by the attention
         kv = ops.rope(self.kv_norm(kv_latent), pos, self.inv_freq, inplace=True)
@@ -62,7 +66,7 @@ class Attention(nn.Module):
         entries = cache.compressor.entries if self.compressor is not None else None
         selected = None
         if self.indexer is not None:
-            selected = self.indexer(x, q_latent, self.inv_freq, batch, cache.indexer)
+            selected = self.indexer(head_weights, q_latent, self.inv_freq, batch, cache.indexer)
         out = ops.rotary_attention(
             q, kv, cache.window, self.attn_sink, self.head_dim**-0.5, batch, self.inv_freq, q_norm_eps=self.eps,
             entries=entries, ratio=self.ratio, selected=selected,

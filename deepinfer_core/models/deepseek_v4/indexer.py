@@ -26,14 +26,15 @@ class Indexer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        head_weights: torch.Tensor,
         q_latent: torch.Tensor,
         inv_freq: torch.Tensor,
         batch: ForwardBatch,
         state: CompressorState,
     ) -> torch.Tensor:
-        """[T, index_topk] int64 entry ids per query, -1 padded; `state` already holds this step's
-        index keys (the attention runs `compressor` first)."""
+        """[T, index_topk] int64 entry ids per query, -1 padded. `head_weights` is `weights_proj` of the
+        block input, which the attention projects with its own projections of it (one launch); `state`
+        already holds this step's index keys (the attention runs `compressor` first)."""
         q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
         q = self.ops.rope(q, batch.positions, inv_freq, inplace=True)
-        return self.ops.indexer_topk(q, self.weights_proj(x), state.entries, self.ratio, self.topk, batch)
+        return self.ops.indexer_topk(q, head_weights, state.entries, self.ratio, self.topk, batch)
