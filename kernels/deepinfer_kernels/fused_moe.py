@@ -287,9 +287,8 @@ _SUM_COLUMNS = 1024
 @triton.jit
 def _sum_slots_kernel(y_ptr, out_ptr, D, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """out[t] = y[t, 0] + y[t, 1] + ... in float32 (then rounded to out's dtype), in slot order (the shared
-    expert last): a token's sum
-    never depends on the batch. 0.84 of the copy bandwidth at 8,192 tokens, torch's sum over the slot dim
-    0.50 (BENCHMARKS.md)."""
+    expert last): a token's sum never depends on the batch. 0.84 of the copy bandwidth at 8,192 tokens,
+    torch's sum over the slot dim 0.50 (BENCHMARKS.md)."""
     wait_for_previous_grid(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
