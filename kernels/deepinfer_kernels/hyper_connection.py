@@ -79,12 +79,6 @@ def _epilogue_warps(tile: int) -> int:
 
 
 @triton.jit
-def _pick(sums, cols, wanted):
-    """sums[wanted] ([WIDTH_P2] -> [len(wanted)]) by a masked sum: registers cannot be sliced."""
-    return tl.sum(tl.where(cols[None, :] == wanted[:, None], sums[None, :], 0.0), axis=1)
-
-
-@triton.jit
 def _hc_mix_epilogue_kernel(
     part_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, CHUNKS, norm_eps, hc_eps,
     N: tl.constexpr, NP: tl.constexpr, PN: tl.constexpr, FNP: tl.constexpr, WIDTH: tl.constexpr,
@@ -98,27 +92,30 @@ def _hc_mix_epilogue_kernel(
     parts = tl.load(part_ptr + (chunks[:, None] * T + row) * WIDTH + cols[None, :],
                     mask=(chunks[:, None] < CHUNKS) & (cols[None, :] < WIDTH), other=0.0)
     sums = tl.sum(parts, axis=0)  # pre (N) | post (N) | comb (N*N) | padding | sum x^2 (column FNP)
+    # The sums go to this row's chunk-0 partials (read above, and by no other program) and come back as the
+    # vectors and the [NP, NP] tile they hold: loaded, each takes a layout of its own, whole in every warp, so
+    # that the picks and the Sinkhorn's 2 * ITERS reductions stay inside warps. Spread over the warps like
+    # the partials they came from, each was a barrier and a shared-memory round trip (83 barriers a launch).
+    own = part_ptr + row * WIDTH
+    tl.store(own + cols, sums, mask=cols < WIDTH)
+    tl.debug_barrier()
     cols_pn = tl.arange(0, PN)
-    cells = tl.arange(0, NP * NP)
-    cell_r, cell_c = cells // NP, cells % NP
-    cell_ok = (cell_r < N) & (cell_c < N)
-    # fn @ (x * r) == r * (fn @ x): the RMS factor is applied once, after the reduction.
-    r = tl.rsqrt(tl.sum(tl.where(cols == FNP, sums, 0.0), axis=0) / K + norm_eps)
     pn_ok = cols_pn < N
-    pre = tl.sigmoid(_pick(sums, cols, cols_pn) * r * tl.load(scale_ptr) + tl.load(base_ptr + cols_pn, mask=pn_ok, other=0.0))
+    r2 = tl.arange(0, NP)[:, None]
+    c2 = tl.arange(0, NP)[None, :]
+    ok2 = (r2 < N) & (c2 < N)
+    # fn @ (x * r) == r * (fn @ x): the RMS factor is applied once, after the reduction.
+    r = tl.rsqrt(tl.load(own + FNP) / K + norm_eps)
+    pre = tl.sigmoid(tl.load(own + cols_pn, mask=pn_ok, other=0.0) * r * tl.load(scale_ptr)
+                     + tl.load(base_ptr + cols_pn, mask=pn_ok, other=0.0))
     tl.store(pre_ptr + row * N + cols_pn, pre + hc_eps, mask=pn_ok)
     if PRE_ONLY:
         return
-    post = 2.0 * tl.sigmoid(_pick(sums, cols, N + cols_pn) * r * tl.load(scale_ptr + 1)
+    post = 2.0 * tl.sigmoid(tl.load(own + N + cols_pn, mask=pn_ok, other=0.0) * r * tl.load(scale_ptr + 1)
                             + tl.load(base_ptr + N + cols_pn, mask=pn_ok, other=0.0))
     tl.store(post_ptr + row * N + cols_pn, post, mask=pn_ok)
-    logits = (_pick(sums, cols, 2 * N + cell_r * N + cell_c) * r * tl.load(scale_ptr + 2)
-              + tl.load(base_ptr + 2 * N + cell_r * N + cell_c, mask=cell_ok, other=0.0))
-    logits = tl.reshape(logits, [NP, NP])
-    r2 = tl.reshape(cell_r, [NP, NP])
-    c2 = tl.reshape(cell_c, [NP, NP])
-    ok2 = (r2 < N) & (c2 < N)
-    # padded rows get finite logits (no NaN from an all -inf row); padded cells end at exactly 0
+    logits = (tl.load(own + 2 * N + r2 * N + c2, mask=ok2, other=0.0) * r * tl.load(scale_ptr + 2)
+              + tl.load(base_ptr + 2 * N + r2 * N + c2, mask=ok2, other=0.0))
     logits = tl.where(ok2, logits, tl.where(r2 < N, float("-inf"), 0.0))
     logits = logits - tl.max(logits, axis=1)[:, None]
     e = tl.exp(logits)
