@@ -91,3 +91,19 @@ def test_route_is_batch_invariant():
     alone_weights, alone_ids = ops.route(x[5:8], gate, 4, 1.5, bias=bias)
     assert torch.equal(alone_ids, ids[5:8]) and torch.equal(alone_weights, weights[5:8])
     _assert_same_routing((weights, ids), KernelOps().route(x, gate, 4, 1.5, bias=bias))
+
+
+def test_score_routing_orders_ties_and_negative_keys_by_expert():
+    """The kernel's packed key (order-preserving bits above the lane) picks the best key first and the
+    lowest expert among exact ties, also for negative keys: a stable descending sort of the keys."""
+    from deepinfer_kernels.routing import route_logits
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randint(-3, 4, (5, 40), generator=gen).float() / 4  # many exact ties
+    bias = -torch.randint(0, 3, (40,), generator=gen).float()  # keys below zero too
+    weights, ids = route_logits(logits, 6, 1.0, "sigmoid", bias=bias)
+    keys = logits.sigmoid() + bias
+    expected = keys.sort(dim=1, descending=True, stable=True).indices[:, :6]
+    assert torch.equal(ids, expected)
+    picked = logits.sigmoid().gather(1, expected)
+    assert torch.allclose(weights, picked / (picked.sum(1, keepdim=True) + 1e-20), rtol=1e-6)

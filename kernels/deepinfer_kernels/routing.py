@@ -73,14 +73,19 @@ def _route_kernel(
         if HAS_BIAS:
             keys = keys + tl.load(bias_ptr + lanes, mask=in_e, other=0.0).to(tl.float32)
         keys = tl.where(in_e, keys, float("-inf"))
+        # One reduction a slot: the key's bits made order-preserving as an int32 (negative floats' magnitude
+        # bits flipped), above the complement of the lane, so that the int64 maximum is the best key and,
+        # among ties, the lowest expert. (A maximum, a minimum over its ties and a masked sum for the score
+        # were three reductions a slot, each a barrier across the program's warps.)
+        bits = keys.to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        packed = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - lanes).to(tl.int64)
         ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
-        picked = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for slot in range(TOP_K):
-            best = tl.max(keys, 0)
-            choice = tl.min(tl.where(keys == best, lanes, BLOCK_E), 0)  # lowest index among ties
-            ids = tl.where(slots == slot, choice.to(tl.int64), ids)
-            picked = tl.where(slots == slot, tl.sum(tl.where(lanes == choice, scores, 0.0), 0), picked)
-            keys = tl.where(lanes == choice, float("-inf"), keys)
+            choice = BLOCK_E - 1 - (tl.max(packed, 0) & 0xFFFFFFFF)
+            ids = tl.where(slots == slot, choice, ids)
+            packed = tl.where(lanes == choice, -9223372036854775807 - 1, packed)
+        picked = tl.sum(tl.where(lanes[None, :] == ids[:, None], scores[None, :], 0.0), 1)
     picked = tl.where(in_k, picked, 0.0)
     if NORMALIZE:
         picked = tl.math.div_rn(picked, tl.sum(picked, 0) + 1e-20)
