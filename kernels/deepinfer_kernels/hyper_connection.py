@@ -94,8 +94,9 @@ def _hc_mix_epilogue_kernel(
     sums = tl.sum(parts, axis=0)  # pre (N) | post (N) | comb (N*N) | padding | sum x^2 (column FNP)
     # The sums go to this row's chunk-0 partials (read above, and by no other program) and come back as the
     # vectors and the [NP, NP] tile they hold: loaded, each takes a layout of its own, whole in every warp, so
-    # that the picks and the Sinkhorn's 2 * ITERS reductions stay inside warps. Spread over the warps like
-    # the partials they came from, each was a barrier and a shared-memory round trip (83 barriers a launch).
+    # that picking them needs no reduction and the Sinkhorn's 2 * ITERS reductions stay inside warps. Spread
+    # over the warps like the partials they came from, each pick and sum was a barrier and a shared-memory
+    # round trip (83 barriers a launch).
     own = part_ptr + row * WIDTH
     tl.store(own + cols, sums, mask=cols < WIDTH)
     tl.debug_barrier()

@@ -67,7 +67,6 @@ def _route_kernel(
     if HASHED:
         tid = tl.load(input_ids_ptr + token)
         ids = tl.load(tid2eid_ptr + tid * stride_table + slots, mask=in_k, other=0).to(tl.int64)
-        picked = tl.sum(tl.where(lanes[None, :] == ids[:, None], scores[None, :], 0.0), 1)
     else:
         keys = scores
         if HAS_BIAS:
@@ -85,8 +84,8 @@ def _route_kernel(
             choice = BLOCK_E - 1 - (tl.max(packed, 0) & 0xFFFFFFFF)
             ids = tl.where(slots == slot, choice, ids)
             packed = tl.where(lanes == choice, -9223372036854775807 - 1, packed)
-        picked = tl.sum(tl.where(lanes[None, :] == ids[:, None], scores[None, :], 0.0), 1)
-    picked = tl.where(in_k, picked, 0.0)
+    # each slot's score, by a masked sum (registers cannot be indexed); 0 in the slots past k
+    picked = tl.sum(tl.where((lanes[None, :] == ids[:, None]) & in_k[:, None], scores[None, :], 0.0), 1)
     if NORMALIZE:
         picked = tl.math.div_rn(picked, tl.sum(picked, 0) + 1e-20)
     out = token * TOP_K + slots
