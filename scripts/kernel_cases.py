@@ -63,6 +63,10 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
         for fmt in ("bf16", "fp8", "fp8-a8", "fp4"):
             yield Case(f"fused_moe {fmt} T={tokens} E={experts} k={top_k}",
                        partial(_moe, ops, reference, tokens, hidden, inter, experts, top_k, fmt, tiny))
+    for tokens in ([1, 21] if tiny else [1, 64, 8192]):  # DeepSeek-V4.1: the weight scales the activation
+        for fmt in ("bf16", "fp4"):
+            yield Case(f"fused_moe_prescaled {fmt} T={tokens} E={experts} k={top_k}",
+                       partial(_moe, ops, reference, tokens, hidden, inter, experts, top_k, fmt, tiny, prescaled=True))
     heads, dim, ring = (4, 48, 8) if tiny else (64, 512, 128)
     steps = ([("decode", 3, 1, 40), ("prefill", 1, 30, 0)] if tiny else
              [("decode", 1, 1, 8192), ("decode", 64, 1, 8192), ("prefill", 1, 4096, 0)])
@@ -221,7 +225,7 @@ def stacked_experts(num: int, hidden: int, inter: int, fmt: str, gen, device, bl
     return mlps, bytes_per_weight
 
 
-def _moe(ops, reference, tokens, hidden, inter, experts, top_k, fmt, tiny, gen, device):
+def _moe(ops, reference, tokens, hidden, inter, experts, top_k, fmt, tiny, gen, device, prescaled=False):
     # NOTE: fresh ops, so a fresh expert-stack cache per case and earlier cases' experts can be freed
     ops, reference = fresh_ops(type(ops), fmt), fresh_ops(type(reference), fmt)
     block = (32, 32) if tiny else (128, 128)
@@ -233,9 +237,10 @@ def _moe(ops, reference, tokens, hidden, inter, experts, top_k, fmt, tiny, gen, 
     touched = int(torch.unique(ids).numel())
     flops = 2 * tokens * (top_k + 1) * 3 * hidden * inter
     nbytes = (touched * bytes_per_weight + 2) * 3 * hidden * inter + 2 * 2 * tokens * hidden
-    return (lambda: ops.fused_moe(x, weights, ids, mlps, shared, 10.0),
-            lambda: reference.fused_moe(x, weights, ids, mlps, shared, 10.0), flops, nbytes, MOE_TOL,
-            ops.fp8_activations)
+    op, reference_op = ((ops.fused_moe_prescaled, reference.fused_moe_prescaled) if prescaled else
+                        (ops.fused_moe, reference.fused_moe))
+    return (lambda: op(x, weights, ids, mlps, shared, 10.0), lambda: reference_op(x, weights, ids, mlps, shared, 10.0),
+            flops, nbytes, MOE_TOL, ops.fp8_activations)
 
 
 def attention_batch(seqs: int, q_len: int, ctx: int, block_size: int, device) -> tuple[ForwardBatch, int]:

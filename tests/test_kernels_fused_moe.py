@@ -59,6 +59,22 @@ def test_fused_moe_matches_reference(dtype, fmt, tokens):
     assert stack.fp4_small_scales == (fmt == "fp4")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "fp4"])
+def test_prescaled_moe_matches_reference(dtype, fmt):
+    """DeepSeek-V4.1's MoE: the weight scales the activation before w2 (applied once: twice, or not at all,
+    is off by the weights' spread in [0.1, 1.1]); the shared expert fused, and apart under fp8 activations
+    beside fp4 experts."""
+    x, weights, ids, mlps, shared = _inputs(fmt, dtype, 9, seed=11)
+    expected = KernelOps().fused_moe_prescaled(x, weights, ids, mlps, shared, 1.5)
+    assert_matches(TritonOps().fused_moe_prescaled(x, weights, ids, mlps, shared, 1.5), expected, TOLERANCE[dtype])
+    if fmt == "fp4":
+        ops, reference = TritonOps(), KernelOps()
+        ops.fp8_activations = reference.fp8_activations = True
+        assert_matches(ops.fused_moe_prescaled(x, weights, ids, mlps, shared, 1.5),
+                       reference.fused_moe_prescaled(x, weights, ids, mlps, shared, 1.5), TOLERANCE[dtype])
+
+
 def test_fp4_experts_with_scales_above_two_decode_exactly():
     """Scales above 2 overflow the one-product decode's float32 factor: such a stack takes the two-product
     decode (`weight_tiles.FP4_SMALL_SCALES` is only for stacks whose every scale is at most 2)."""

@@ -11,7 +11,8 @@ expert is one more pair per token (stack index E_held, its own weight pointers, 
 MLP launches, and x read and quantised once. Stored in fp8 beside fp4 experts (the fp4 checkpoints), its
 row blocks take a K loop of their own format in the same launches. With
 `fp8_activations`, fp8 experts meet x and the activation quantised to fp8 (`activation_quant`: x once per
-token before launch 1, the activation between the launches), as in `linear`.
+token before launch 1, the activation between the launches), as in `linear`. `prescaled` (DeepSeek-V4.1)
+moves the routing weight from w2's output into launch 1's epilogue: it scales the activation before w2.
 """
 
 from __future__ import annotations
@@ -100,13 +101,13 @@ def _gate_up_sums(
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr, row_entry_ptr,
-    block_expert_ptr, N, K, TOP_K, NUM_ROUTED, limit,
+    x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr, route_w_ptr,
+    row_entry_ptr, block_expert_ptr, N, K, TOP_K, NUM_ROUTED, limit,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_am,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
     SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr, HALF_TAILS: tl.constexpr, PDL: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, HALF_TAILS: tl.constexpr, PRESCALED: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
     # All column tiles of a row block, then the next: programs start in id order, so a block's rows are
@@ -121,27 +122,27 @@ def _gate_up_kernel(
     # An expert run's last row block holds its rows first: at half or less, half a tile computes it.
     if HALF_TAILS and tl.load(row_entry_ptr + pid_m * BLOCK_M + BLOCK_M // 2) < 0:
         _gate_up_rows(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr,
-                      row_entry_ptr, pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, limit, stride_xm,
-                      stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_am,
-                      FORMAT, SCALE_BN, SCALE_BK, BLOCK_M // 2, BLOCK_N, BLOCK_K, IEEE, A8, SHARED,
-                      SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, SHARED_BLOCK_K)
+                      route_w_ptr, row_entry_ptr, pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, limit,
+                      stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn,
+                      stride_am, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M // 2, BLOCK_N, BLOCK_K, IEEE, A8, SHARED,
+                      SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, SHARED_BLOCK_K, PRESCALED)
     else:
         _gate_up_rows(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr,
-                      row_entry_ptr, pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, limit, stride_xm,
-                      stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_am,
-                      FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8, SHARED,
-                      SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, SHARED_BLOCK_K)
+                      route_w_ptr, row_entry_ptr, pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, limit,
+                      stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn,
+                      stride_am, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8, SHARED,
+                      SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, SHARED_BLOCK_K, PRESCALED)
 
 
 @triton.jit
 def _gate_up_rows(
-    x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr, row_entry_ptr,
-    row0, expert, pid_n, N, K, TOP_K, NUM_ROUTED, limit,
+    x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr, route_w_ptr,
+    row_entry_ptr, row0, expert, pid_n, N, K, TOP_K, NUM_ROUTED, limit,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_am,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
     SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, PRESCALED: tl.constexpr,
 ):
     """act for BLOCK_M rows from row0 of `expert`'s run (launch 1 of `moe_routed`)."""
     offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -169,12 +170,27 @@ def _gate_up_rows(
                                  stride_xsm, stride_wn, stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N,
                                  BLOCK_K, IEEE, A8)
     # The reference rounds each projection, silu(gate) and the product to the activation dtype (with fp8
-    # activations the next launch quantises this very value, so matching its rounding matters).
+    # activations the next launch quantises this very value, so matching its rounding matters). Prescaled,
+    # it keeps silu(gate) * up * weight in float32 and rounds once.
     gate = tl.minimum(gate.to(out_dtype).to(tl.float32), limit)
     up = tl.minimum(tl.maximum(up.to(out_dtype).to(tl.float32), -limit), limit)
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32) * up
+    if PRESCALED:
+        act = gate / (1.0 + tl.exp(-gate)) * up * _route_weights(route_w_ptr, entry, TOP_K, SHARED)[:, None]
+    else:
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32) * up
     tl.store(act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :],
              act.to(act_ptr.dtype.element_ty), mask=offs_n[None, :] < N)
+
+
+@triton.jit
+def _route_weights(route_w_ptr, entry, TOP_K, SHARED: tl.constexpr):
+    """The routing weight of each padded row's (token, slot) pair: 0 for padding, 1 for the shared expert's
+    pair (t, TOP_K); the routed weights are [T, TOP_K]."""
+    valid = entry >= 0
+    if SHARED:
+        slot = entry % (TOP_K + 1)
+        return tl.load(route_w_ptr + (entry // (TOP_K + 1)) * TOP_K + slot, mask=valid & (slot < TOP_K), other=1.0)
+    return tl.load(route_w_ptr + entry, mask=valid, other=0.0)
 
 
 @triton.jit
@@ -217,7 +233,7 @@ def _down_kernel(
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
     SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr, HALF_TAILS: tl.constexpr, PDL: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, HALF_TAILS: tl.constexpr, PRESCALED: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
     pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)  # row block by row block, as in `_gate_up_kernel`
@@ -230,13 +246,13 @@ def _down_kernel(
                    pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, stride_am, stride_asm, stride_we,
                    stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_ym, FORMAT, SCALE_BN, SCALE_BK,
                    BLOCK_M // 2, BLOCK_N, BLOCK_K, IEEE, A8, SHARED, SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK,
-                   SHARED_BLOCK_K)
+                   SHARED_BLOCK_K, PRESCALED)
     else:
         _down_rows(act_ptr, as_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, route_w_ptr, row_entry_ptr,
                    pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, stride_am, stride_asm, stride_we,
                    stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_ym, FORMAT, SCALE_BN, SCALE_BK,
                    BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8, SHARED, SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK,
-                   SHARED_BLOCK_K)
+                   SHARED_BLOCK_K, PRESCALED)
 
 
 @triton.jit
@@ -247,7 +263,7 @@ def _down_rows(
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
     SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, PRESCALED: tl.constexpr,
 ):
     """y for BLOCK_M rows from row0 of `expert`'s run (launch 2 of `moe_routed`)."""
     offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -269,13 +285,9 @@ def _down_rows(
         acc = _down_sums(act_ptr, as_ptr, offs_m, w2, s2, offs_n, pid_n, N, K, stride_am, stride_asm, stride_wn,
                          stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8)
     valid = entry >= 0
-    if SHARED:  # pair (t, TOP_K) is the shared expert's, weight 1; the routed weights are [T, TOP_K]
-        slot = entry % (TOP_K + 1)
-        routed = valid & (slot < TOP_K)
-        route_w = tl.load(route_w_ptr + (entry // (TOP_K + 1)) * TOP_K + slot, mask=routed, other=1.0)
-    else:
-        route_w = tl.load(route_w_ptr + entry, mask=valid, other=0.0)
-    y = acc.to(y_ptr.dtype.element_ty).to(tl.float32) * route_w[:, None]
+    y = acc.to(y_ptr.dtype.element_ty)
+    if not PRESCALED:
+        y = y.to(tl.float32) * _route_weights(route_w_ptr, entry, TOP_K, SHARED)[:, None]
     tl.store(y_ptr + tl.where(valid, entry, 0).to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
              y.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
@@ -403,7 +415,7 @@ def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch
 def moe_routed(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: StackedExperts, swiglu_limit: float,
     batch_invariant: bool = False, fp8_activations: bool = False, shared: MlpWeights | None = None,
-    out_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype = torch.float32, prescaled: bool = False,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * mlp_{ids[t, k]}(x[t]) (+ mlp_shared(x[t]), added last), summed in float32 and
     stored as out_dtype [T, D] (x's dtype when nothing is added to it after: one rounding, no conversion
@@ -413,6 +425,8 @@ def moe_routed(
     weight 1 per token, so its output meets the same roundings as the reference's separate MLP.
     batch_invariant: one row-block size for every batch (the outputs are always summed in slot order).
     fp8_activations: fp8 experts meet their inputs quantised to fp8 (W8A8; see `moe_supported`).
+    prescaled: the weight scales the activation (silu(w1 x) * (w3 x) * weight, rounded once) before w2, as
+    `KernelOps.fused_moe_prescaled` (DeepSeek-V4.1), instead of w2's output.
     """
     tokens, top_k = ids.shape
     hidden, inter = x.shape[1], experts.w1.shape[1]
@@ -440,7 +454,7 @@ def moe_routed(
         SHARED=fused, SHARED_FORMAT=shared_fmt if mixed else kernel_format,
         SHARED_SCALE_BN=shared.block[0] if mixed else scale_bn, SHARED_SCALE_BK=shared.block[1] if mixed else scale_bk,
         SHARED_BLOCK_K=min(block_k, shared.block[1]) if mixed else block_k,
-        HALF_TAILS=half_tails(block_m, batch_invariant),
+        HALF_TAILS=half_tails(block_m, batch_invariant), PRESCALED=prescaled,
     )
     row_entry, block_expert = moe_plan(ids, experts.local_ids, experts.num_held, block_m, fused)
     x = x.contiguous()
@@ -462,8 +476,9 @@ def moe_routed(
         shared_strides = [(w1.stride(1), sn), (w2.stride(1), sn2)]
     act = torch.empty((row_entry.shape[0], inter), dtype=x.dtype, device=x.device)
     x_in, x_scales = quantize_fp8_rows(x, block_k) if a8 else (x, x)
+    route_w = weights.reshape(-1).float().contiguous()
     _gate_up_kernel[(block_expert.shape[0] * triton.cdiv(inter, block_n),)](
-        x_in, x_scales, w1, w3, s1, s3, sw1, sw3, ss1, ss3, act, row_entry, block_expert,
+        x_in, x_scales, w1, w3, s1, s3, sw1, sw3, ss1, ss3, act, route_w, row_entry, block_expert,
         inter, hidden, top_k, experts.num_held, swiglu_limit,
         x_in.stride(0), x_scales.stride(0), w1.stride(0), w1.stride(1), se, sn, *shared_strides[0], act.stride(0),
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
@@ -476,7 +491,7 @@ def moe_routed(
     y = alloc((tokens * slots, hidden), dtype=x.dtype, device=x.device)
     act_in, act_scales = quantize_fp8_rows(act, block_k) if a8 else (act, act)
     _down_kernel[(block_expert.shape[0] * triton.cdiv(hidden, block_n),)](
-        act_in, act_scales, w2, s2, sw2, ss2, y, weights.reshape(-1).float().contiguous(), row_entry, block_expert,
+        act_in, act_scales, w2, s2, sw2, ss2, y, route_w, row_entry, block_expert,
         hidden, inter, top_k, experts.num_held,
         act_in.stride(0), act_scales.stride(0), w2.stride(0), w2.stride(1), se2, sn2, *shared_strides[1], y.stride(0),
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,

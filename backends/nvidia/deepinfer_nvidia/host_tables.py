@@ -16,10 +16,11 @@ logger = logging.getLogger(__name__)
 _REGISTER_PORTABLE_MAPPED = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
-def device_readable(table: torch.Tensor) -> torch.Tensor:
-    """`table` itself, once the device can address it: device memory and pinned host memory as they
-    are; other host memory registered in place the first time (undone when the tensor is freed)."""
-    if table.is_cuda or table.is_pinned():
+def device_readable(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`table` itself, once `device` can address it: device memory, pinned host memory and any host memory
+    read from the host (the kernels under Triton's interpreter) as they are; other host memory registered
+    in place the first time (undone when the tensor is freed)."""
+    if device.type == "cpu" or table.is_cuda or table.is_pinned():
         return table
     if not table.is_contiguous():
         raise ValueError("a host table read by the GPU must be contiguous (it is registered in place)")

@@ -114,6 +114,31 @@ class TritonOps(KernelOps):
         shared: MlpWeights | None,
         swiglu_limit: float,
     ) -> torch.Tensor:
+        return self._routed_experts(x, weights, ids, experts, shared, swiglu_limit, prescaled=False)
+
+    def fused_moe_prescaled(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        experts: Sequence[MlpWeights | None],
+        shared: MlpWeights | None,
+        swiglu_limit: float,
+    ) -> torch.Tensor:
+        return self._routed_experts(x, weights, ids, experts, shared, swiglu_limit, prescaled=True)
+
+    def _routed_experts(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        experts: Sequence[MlpWeights | None],
+        shared: MlpWeights | None,
+        swiglu_limit: float,
+        prescaled: bool,
+    ) -> torch.Tensor:
+        """`fused_moe` (V4: the weight scales w2's output) or `fused_moe_prescaled` (V4.1: it scales the
+        activation), in the same two grouped launches."""
         # Expert parallelism calls this with no shared expert (pairs computed for another rank) or
         # with no held expert (a rank that only adds the shared term).
         apart = shared  # the shared expert unless it runs inside the routed launches
@@ -121,18 +146,22 @@ class TritonOps(KernelOps):
             stack = self._stack(experts, x.device)
             # Fallback: fp8 experts under fp8 activations whose K block the kernel's tiles cannot match.
             if not self._moe_supported(stack, self.fp8_activations):
-                return super().fused_moe(x, weights, ids, experts, shared, swiglu_limit)
+                reference = super().fused_moe_prescaled if prescaled else super().fused_moe
+                return reference(x, weights, ids, experts, shared, swiglu_limit)
             pairs = self._step_pairs(ids, self.batch_invariant)
             fused = shared is not None and self._shared_fusable(stack, shared, self.fp8_activations, pairs)
             apart = None if fused else shared
             out = self._moe_routed(
                 x, weights, ids, stack, swiglu_limit, self.batch_invariant, self.fp8_activations,
                 shared if fused else None, out_dtype=torch.float32 if apart is not None else x.dtype,
+                prescaled=prescaled,
             )
         else:
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if apart is not None:  # not fusable (`fused_moe.shared_fusable`), or no expert held
-            out = out + self._swiglu(x, apart, swiglu_limit).float()
+            shared_out = (self._swiglu_prescaled(x, apart, swiglu_limit, None) if prescaled
+                          else self._swiglu(x, apart, swiglu_limit))
+            out = out + shared_out.float()
         return out.to(x.dtype)
 
     # Row tiles in batch-invariant mode are for the logits GEMM (cuBLAS picks kernels by row count); the
@@ -263,7 +292,7 @@ class TritonOps(KernelOps):
 
     def gather_rows(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # Zero-copy from host memory: the ids never come back to the host, so the step does not wait.
-        return self._gather_rows(device_readable(table), ids)
+        return self._gather_rows(device_readable(table, ids.device), ids)
 
     def compress_kv(
         self, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
