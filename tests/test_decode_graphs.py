@@ -79,8 +79,28 @@ def test_capture_refuses_ops_that_read_per_sequence_host_values() -> None:
         max(lens)
 
 
-def test_models_that_read_host_values_in_decode_run_eagerly(cpu_graphs) -> None:
-    """V4.1 hashes the engram n-grams from host query lengths: it declares no graph-capturable decode."""
-    from deepinfer_core.models.deepseek_v41 import DeepseekV41ForCausalLM
+def test_replayed_v41_decode_equals_eager(cpu_graphs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V4.1 (the fixture with every band kind: ratios 4, 2 and 1, a candidate source, an engram
+    layer; fp8 / fp4 KV): its plain decode steps read no host list (a capture would raise), and replayed
+    they give the eager run's tokens, across group boundaries and a context bound."""
+    from v41_fixtures import FIXTURES
 
-    assert not getattr(DeepseekV41ForCausalLM, "decode_graphs", False)
+    monkeypatch.setattr(decode_graphs, "MIN_SEQ_BOUND", 16)
+    lengths = [14, 5]
+    prompts = [{"prompt_token_ids": [(11 * i + 5 * n) % 197 + 3 for i in range(n)]} for n in lengths]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=(7, 4)[i], ignore_eos=True)
+              for i in range(len(prompts))]
+    checkpoint = FIXTURES / "b_mixed_ratios" / "checkpoint"
+
+    def generate(enforce_eager: bool):
+        llm = LLM(str(checkpoint), accelerator="cpu", dtype="float32", enforce_eager=enforce_eager, max_num_seqs=4,
+                  max_num_batched_tokens=64, num_kv_blocks=32, block_size=8)
+        return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    llm, replayed = generate(False)
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None and graphs.num_graphs == len(cpu_graphs) >= 2
+    assert len({bound for _, bound in graphs._captured}) >= 2
+    eager_llm, eager = generate(True)
+    assert eager_llm.engine.runner.decode_graphs is None
+    assert replayed == eager

@@ -67,8 +67,7 @@ class DecodeGraphs:
         """Whether `batch` is a decode step a graph can run: one token a sequence, no bounded replay,
         a logits row per sequence in order, no more sequences than the largest size."""
         n = batch.num_seqs
-        return (0 < n <= self.sizes[-1] and batch.num_tokens == n and batch.window_starts_cpu is None
-                and batch.reused_lens_cpu is None and batch.logits_indices.shape[0] == n)
+        return 0 < n <= self.sizes[-1] and batch.is_plain_decode and batch.logits_indices.shape[0] == n
 
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """The step's logits [num_seqs, vocab], from a replay (captured first if this shape is new)."""

@@ -80,6 +80,20 @@ class ForwardBatch:
         return self._row_sequences
 
     @property
+    def is_plain_decode(self) -> bool:
+        """One token a sequence and no bounded prefix replay: the steps a device graph replays, which the
+        DeepSeek-V4.1 layers run over all sequences at once instead of planning each on the host."""
+        return self.num_tokens == self.num_seqs and self.window_starts_cpu is None and self.reused_lens_cpu is None
+
+    @property
+    def seq_len_bound(self) -> int:
+        """A bound on context_len + query_len of every sequence: `max_seq_len` in a captured step, else the
+        longest sequence's, from the host lists."""
+        if self.max_seq_len is not None:
+            return self.max_seq_len
+        return max((c + n for c, n in zip(self.context_lens_cpu, self.query_lens_cpu)), default=0)
+
+    @property
     def num_seqs(self) -> int:
         return len(self.query_lens_cpu)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 
 import torch
 
@@ -640,20 +640,23 @@ class KernelOps:
         return (kv.float() * torch.softmax(gate.float(), dim=1)).sum(dim=1)
 
     def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
-        """Lightning-indexer scores of one sequence's queries against its index keys (no masking).
+        """Lightning-indexer scores of queries against index keys (no masking).
 
-        q [S, Hi, di]; keys [N, di]; head_weights [S, Hi] raw weights_proj output. In float32:
-        I[s, w] = sum_h head_weights[s, h] * Hi^-0.5 * ReLU(q[s, h] . keys[w]) * di^-0.5. Returns [S, N]
+        q [S, Hi, di]; keys [N, di] (one sequence's, for all its queries) or [S, N, di] (each query its own
+        keys: a decode step's sequences); head_weights [S, Hi] raw weights_proj output. In float32:
+        I[s, w] = sum_h head_weights[s, h] * Hi^-0.5 * ReLU(q[s, h] . keys[(s,) w]) * di^-0.5. Returns [S, N]
         float32. Tolerance: float32 1e-5 relative (the caller's top-k is tie-sensitive).
         """
+        per_query = keys.dim() == 3
         if self.batch_invariant:
             # Keys broadcast per row and reduced over d: a row's dot products do not depend on S or N.
-            def dots(rows: torch.Tensor) -> torch.Tensor:
-                return (rows.float().unsqueeze(2) * keys.float()).sum(-1)
+            def dots(rows: torch.Tensor, row_keys: torch.Tensor | None) -> torch.Tensor:
+                k = row_keys.unsqueeze(1) if per_query else keys  # [s, 1, n, d] or [n, d]
+                return (rows.float().unsqueeze(2) * k.float()).sum(-1)
 
-            products = in_row_tiles(dots, [q], self.row_tile)
+            products = in_row_tiles(dots, [q, keys if per_query else None], self.row_tile)
         else:
-            products = torch.einsum("shd,nd->shn", q.float(), keys.float())
+            products = torch.einsum("shd,snd->shn" if per_query else "shd,nd->shn", q.float(), keys.float())
         scores = torch.relu(products) * q.shape[-1] ** -0.5
         weights = head_weights.float() * q.shape[1] ** -0.5
         return (scores * weights.unsqueeze(-1)).sum(dim=1)
@@ -725,7 +728,7 @@ class KernelOps:
     def fp4_block_dequantize(self, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Inverse of `fp4_block_quantize` (scale format read from scales.dtype), as `dtype`. Exact."""
         codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()
-        values = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=packed.device)[codes]
+        values = _e2m1_values(packed.device)[codes]
         if scales.dtype == torch.uint8:
             scale = torch.exp2(scales.float() - 127.0)
         else:
@@ -887,6 +890,13 @@ def _ceil_log2(t: torch.Tensor) -> torch.Tensor:
     return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
 
 
+# The e2m1 tables are made once per device: a decode step captured in a device graph may not copy from the host.
+@cache
+def _e2m1_values(device: torch.device) -> torch.Tensor:
+    return torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=device)
+
+
+@cache
 def _e2m1_thresholds(device: torch.device) -> torch.Tensor:
     """|q| >= threshold[i] moves the e2m1 code past i; ties round to the even code (MODEL_SPEC_V41 §5)."""
     midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32, device=device)

@@ -479,6 +479,11 @@ OP_CASES += [
         lambda g, dt: ((_randn(g, 9, 8, 32, dtype=dt), _randn(g, 13, 32, dtype=dt), _randn(g, 9, 8, dtype=dt)), {}),
         rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
     ),
+    OpCase(  # a decode step: each query row against its own sequence's keys
+        "indexer_scores", "keys_per_query",
+        lambda g, dt: ((_randn(g, 5, 8, 32, dtype=dt), _randn(g, 5, 13, 32, dtype=dt), _randn(g, 5, 8, dtype=dt)), {}),
+        rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
+    ),
     OpCase(
         "engram_gate", "two_streams",
         lambda g, dt: ((_randn(g, 7, 2, 48, dtype=dt), _randn(g, 7, 2, 48, dtype=dt), _randn(g, 7, 48, dtype=dt),

@@ -185,10 +185,7 @@ def indexer_topk(
     t, h, di = q.shape
     device = q.device
     # the score width from the host (or the graph's bound); each sequence's entry count is read in the kernels
-    if batch.max_seq_len is not None:
-        width = batch.max_seq_len // ratio
-    else:
-        width = max((c + n) // ratio for c, n in zip(batch.context_lens_cpu, batch.query_lens_cpu)) if t else 0
+    width = batch.seq_len_bound // ratio if t else 0
     # Both top-k paths write every slot below the score width (-1 for an invisible entry): only a row
     # narrower than top-k needs its tail filled first, a launch saved on every other step.
     if width < topk:

@@ -40,7 +40,8 @@ class ForwardState:
         tables = torch.arange(n_seqs * width, dtype=torch.int32, device=batch.block_tables.device).view(n_seqs, width)
         self.local = replace(
             batch, slot_ids=torch.arange(n_seqs, dtype=torch.int32, device=batch.slot_ids.device),
-            slot_ids_cpu=list(range(n_seqs)), block_tables=tables, block_tables_cpu=tables.tolist(),
+            slot_ids_cpu=list(range(n_seqs)), block_tables=tables,
+            block_tables_cpu=[list(range(i * width, (i + 1) * width)) for i in range(n_seqs)],  # no device sync
         )
 
 
@@ -116,6 +117,9 @@ class Attention(nn.Module):
 def store_in_ring(ops, kv: torch.Tensor, batch: ForwardBatch, window: StoredTensor) -> None:
     """Each sequence's last min(q, W) positions p of the step go to ring row p % W of its slot."""
     ring = window.parts[0].shape[1]
+    if batch.is_plain_decode:  # one position a sequence: its context length
+        window.write(ops, (batch.slot_ids.to(torch.long), batch.context_lens.to(torch.long) % ring), kv)
+        return
     slots, rows, offsets = [], [], []
     start = 0
     for slot, n_q, ctx in zip(batch.slot_ids_cpu, batch.query_lens_cpu, batch.context_lens_cpu):

@@ -17,7 +17,10 @@ from deepinfer_core.platform.kernel_ops import KernelOps
 from .cache import BandCache
 from .kv_quant import StoredTensor
 
-__all__ = ["BandState", "gather_entries", "write_entries"]
+__all__ = ["DECODE_ROWS", "BandState", "gather_entries", "write_entries"]
+
+# `BandState.candidates` key of a plain decode step's masks: one row a sequence, all sequences at once.
+DECODE_ROWS = -1
 
 
 @dataclass(slots=True)
@@ -25,14 +28,16 @@ class BandState:
     source: int
     cache: BandCache
     selected: torch.Tensor | None = None
+    # sequence index -> its queries' candidate masks [q, n_entries]; DECODE_ROWS -> [S, bound entries]
     candidates: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-def gather_entries(ops: KernelOps, pool: StoredTensor, block_table: torch.Tensor, n_entries: int) -> torch.Tensor:
-    """Entries 0..n_entries-1 of one sequence from a paged [num_blocks, block_size // ratio] pool, decoded."""
+def gather_entries(ops: KernelOps, pool: StoredTensor, block_tables: torch.Tensor, n_entries: int) -> torch.Tensor:
+    """Entries 0..n_entries-1 from a paged [num_blocks, block_size // ratio] pool, decoded: of one sequence
+    for a block table [width], [n_entries, c]; of each sequence for block tables [S, width], [S, n_entries, c]."""
     per_block = pool.parts[0].shape[1]
-    ids = torch.arange(n_entries, device=block_table.device)
-    return pool.read(ops, (block_table.to(torch.long)[ids // per_block], ids % per_block))
+    ids = torch.arange(n_entries, device=block_tables.device)
+    return pool.read(ops, (block_tables.to(torch.long)[..., ids // per_block], ids % per_block))
 
 
 def write_entries(

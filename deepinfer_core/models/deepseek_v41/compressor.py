@@ -26,7 +26,12 @@ class NewGroups:
 class Compressor(nn.Module):
     """ratio 1: latent = RMSNorm(x Wkv) per token, model dtype. ratio r > 1: projections in float32,
     per-channel softmax(gate) pooling over each group's r tokens, cast, RMSNorm. A group's tokens may
-    span steps: the open group's raw projections wait in the band cache."""
+    span steps: the open group's raw projections wait in the band cache.
+
+    A plain decode step (`ForwardBatch.is_plain_decode`) pools every sequence's open group, complete or
+    not, with nothing planned on the host: a group still open yields a provisional entry at its own id,
+    which no query sees before the step that completes the group overwrites it (entry w is visible from
+    position (w + 1) * r - 1 on, the group's last token)."""
 
     def __init__(self, f: ModuleFactory, ratio: int) -> None:
         super().__init__()
@@ -44,6 +49,8 @@ class Compressor(nn.Module):
         if self.wgate is None:
             return NewGroups(self.norm(self.wkv(x)), batch.positions.to(torch.long), seq_index)
         kv, gate = self.projections(x.float())
+        if batch.is_plain_decode:
+            return self._decode(kv, gate, batch, band)
         r, pooled_kv, pooled_gate, entry_ids, seqs = self.ratio, [], [], [], []
         start = 0
         for i, (slot, n_q, ctx) in enumerate(zip(batch.slot_ids_cpu, batch.query_lens_cpu, batch.context_lens_cpu)):
@@ -61,3 +68,13 @@ class Compressor(nn.Module):
             start += n_q
         latents = self.ops.gated_pool(torch.cat(pooled_kv), torch.cat(pooled_gate)).to(self.dtype)
         return NewGroups(self.norm(latents), torch.cat(entry_ids), torch.cat(seqs))
+
+    def _decode(self, kv: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch, band: BandCache) -> NewGroups:
+        """One token a sequence: it takes row ctx % r of its slot's open group, whose r rows are pooled
+        (rows of the previous group where this one is not full yet: the provisional entry is never read)."""
+        slots, ctx = batch.slot_ids.to(torch.long), batch.context_lens.to(torch.long)
+        band.open_kv[slots, ctx % self.ratio] = kv
+        band.open_gate[slots, ctx % self.ratio] = gate
+        latents = self.ops.gated_pool(band.open_kv[slots], band.open_gate[slots]).to(self.dtype)
+        seq_index = torch.arange(batch.num_seqs, device=kv.device)
+        return NewGroups(self.norm(latents), ctx // self.ratio, seq_index)

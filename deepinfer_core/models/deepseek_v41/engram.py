@@ -91,7 +91,8 @@ class EngramHasher:
 
     `step` runs where the history lives (the model's device): it reads the step's token ids there, so a
     step that feeds back the token still being sampled hashes it without the host waiting for it. Only
-    index tensors built from the host's query lengths cross to the device (one copy a step).
+    index tensors built from the host's query lengths cross to the device (one copy a step; none in a plain
+    decode step, hashed from the device tensors alone).
     """
 
     def __init__(self, config: DeepseekV41TextConfig, token_map: list[int]) -> None:
@@ -152,9 +153,7 @@ class EngramHasher:
         joined = torch.empty(int(joined_len.sum()), dtype=torch.int64, device=new_ids.device)
         joined[old_at] = before.flatten()
         joined[new_at] = new_ids
-        tokens = joined[ngram_at].view(num_tokens, self.ngram)
-        dead = torch.cummax((tokens == DEAD).to(torch.int64), dim=1).values.bool()
-        return tokens.masked_fill(dead, self.pad_id), joined[tail_at].view(before.shape)
+        return self._padded(joined[ngram_at].view(num_tokens, self.ngram)), joined[tail_at].view(before.shape)
 
     def hash(self, tokens: torch.Tensor) -> torch.Tensor:
         """[q, N] n-gram tokens -> [q, L, (N-1)*heads] table row ids."""
@@ -179,15 +178,31 @@ class EngramHasher:
         device = history.device
         ids = batch.input_ids if input_ids is None else input_ids
         compressed = self._on(device).token_map[ids.to(device)]
-        slots_fresh = _to_device(
-            torch.tensor([batch.slot_ids_cpu, [c == 0 for c in batch.context_lens_cpu]], dtype=torch.int64), device)
-        if dead_rows:
-            compressed[_to_device(torch.tensor(dead_rows, dtype=torch.int64), device)] = DEAD
-        slots, fresh = slots_fresh[0], slots_fresh[1].bool()
-        before = history[slots].masked_fill(fresh[:, None], DEAD)
-        tokens, tails = self._ngrams(before, compressed, batch.query_lens_cpu)
+        if batch.is_plain_decode and not dead_rows:  # from the device tensors only: nothing planned on the host
+            slots = batch.slot_ids.to(torch.long)
+            before = history[slots].masked_fill((batch.context_lens == 0)[:, None], DEAD)
+            tokens, tails = self._decode_ngrams(before, compressed)
+        else:
+            slots_fresh = _to_device(
+                torch.tensor([batch.slot_ids_cpu, [c == 0 for c in batch.context_lens_cpu]], dtype=torch.int64),
+                device)
+            if dead_rows:
+                compressed[_to_device(torch.tensor(dead_rows, dtype=torch.int64), device)] = DEAD
+            slots, fresh = slots_fresh[0], slots_fresh[1].bool()
+            before = history[slots].masked_fill(fresh[:, None], DEAD)
+            tokens, tails = self._ngrams(before, compressed, batch.query_lens_cpu)
         history[slots] = tails
         return self.hash(tokens)
+
+    def _decode_ngrams(self, before: torch.Tensor, new_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_ngrams` of one new id a sequence: the look-back then the id, read newest first."""
+        joined = torch.cat([before, new_ids[:, None]], dim=1)  # [S, N], oldest first
+        return self._padded(joined.flip(1)), joined[:, 1:]
+
+    def _padded(self, tokens: torch.Tensor) -> torch.Tensor:
+        """n-gram tokens [q, N] (shift-major) with the pad id from the first DEAD shift on."""
+        dead = torch.cummax((tokens == DEAD).to(torch.int64), dim=1).values.bool()
+        return tokens.masked_fill(dead, self.pad_id)
 
 
 def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -7,7 +7,7 @@ from torch import nn
 
 from deepinfer_core.models.forward_batch import ForwardBatch
 
-from .band import BandState, gather_entries
+from .band import DECODE_ROWS, BandState, gather_entries
 from .factory import ModuleFactory
 
 __all__ = ["Indexer", "candidate_mask"]
@@ -68,6 +68,8 @@ class Indexer(nn.Module):
         q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
         q = self.kv.index(ops.rope(q, batch.positions, inv_freq))
         head_weights = self.weights_proj(x)
+        if batch.is_plain_decode:
+            return self._decode(q, head_weights, batch, band)
         selected = torch.full((x.shape[0], self.topk), -1, dtype=torch.long, device=x.device)
         start = 0
         for i, (n_q, ctx) in enumerate(zip(batch.query_lens_cpu, batch.context_lens_cpu)):
@@ -89,5 +91,29 @@ class Indexer(nn.Module):
             top = _top_entries(scores, min(self.topk, n_entries), ops.batch_invariant)
             picks = torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1))
             selected[rows, : picks.shape[1]] = picks
+        self.trace.record(f"index_topk.layer{self.layer}", selected)
+        return selected
+
+    def _decode(self, q: torch.Tensor, head_weights: torch.Tensor, batch: ForwardBatch, band: BandState) -> torch.Tensor:
+        """One query a sequence, all sequences at once over the bound's entries (`seq_len_bound`): each
+        query scores its own sequence's keys, entries it cannot see score -inf. The top-k is always the
+        stable one, so that a row's picks do not depend on how far past its entries the bound reaches."""
+        r, device = self.ratio, q.device
+        n_entries = batch.seq_len_bound // r
+        selected = torch.full((q.shape[0], self.topk), -1, dtype=torch.long, device=device)
+        if n_entries == 0:
+            return selected
+        keys = gather_entries(self.ops, band.cache.index_keys, batch.block_tables.clamp(min=0), n_entries)
+        scores = self.ops.indexer_scores(q, keys, head_weights)
+        visible_counts = (batch.positions + 1).div(r, rounding_mode="floor")
+        scores = scores.masked_fill(torch.arange(n_entries, device=device) >= visible_counts[:, None], float("-inf"))
+        if self.is_candidate_source:
+            band.candidates[DECODE_ROWS] = candidate_mask(scores, visible_counts, self.candidate_blocks,
+                                                          self.candidate_block_size)
+            self.trace.record(f"candidates.layer{self.layer}", band.candidates[DECODE_ROWS])
+        elif self.uses_candidates and DECODE_ROWS in band.candidates:
+            scores = scores.masked_fill(~band.candidates[DECODE_ROWS], float("-inf"))
+        top = _top_entries(scores, min(self.topk, n_entries), stable=True)
+        selected[:, : top.indices.shape[1]] = torch.where(top.values > float("-inf"), top.indices, -1)
         self.trace.record(f"index_topk.layer{self.layer}", selected)
         return selected

@@ -54,6 +54,10 @@ class DeepseekV41ForCausalLM(nn.Module):
     """
 
     skipped_checkpoint_prefixes = ("mtp.",)
+    # A plain decode step reads no per-sequence host values (the compressor, indexer, window store and engram
+    # hash take their decode paths, `ForwardBatch.is_plain_decode`) on a backend whose ops size their work
+    # from the device tensors, so the engine may replay it from a device graph (engine/decode_graphs.py).
+    decode_graphs = True
 
     def __init__(
         self,
