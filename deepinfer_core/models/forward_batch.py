@@ -29,22 +29,22 @@ import torch
 __all__ = ["ForwardBatch", "NotOnHost"]
 
 
-class NotOnHost(Sequence):
-    """A per-sequence host list of a step captured in a device graph, whose values change at every
-    replay: its length is known, reading it raises."""
+_CAPTURED = ("while a decode step was captured in a device graph, where those host values change at every replay; "
+             "size the work from `max_seq_len` and the device tensors, or run this model with enforce_eager=True")
 
-    def __init__(self, length: int, name: str) -> None:
-        self._length, self._name = length, name
+
+class NotOnHost(Sequence):
+    """A per-sequence host list that the host does not hold (a step captured in a device graph, whose
+    values change at every replay; or a table built on the device): its length is known, reading it raises."""
+
+    def __init__(self, length: int, name: str, why: str = _CAPTURED) -> None:
+        self._length, self._name, self._why = length, name, why
 
     def __len__(self) -> int:
         return self._length
 
     def __getitem__(self, index):
-        raise RuntimeError(
-            f"an op read ForwardBatch.{self._name} while a decode step was captured in a device graph, where "
-            "those host values change at every replay; size the work from `max_seq_len` and the device "
-            "tensors, or run this model with enforce_eager=True"
-        )
+        raise RuntimeError(f"an op read ForwardBatch.{self._name} {self._why}")
 
 
 @dataclass(slots=True)

@@ -14,9 +14,9 @@ from torch import nn
 
 from deepinfer_core.models.deepseek_v4.linear import LinearGroup
 from deepinfer_core.models.deepseek_v4.rope import rope_inv_freq
-from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_core.models.forward_batch import ForwardBatch, NotOnHost
 
-from .band import BandState, write_entries
+from .band import BandState, picked_entries, write_entries
 from .cache import DeepseekV41Cache
 from .compressor import Compressor, NewGroups
 from .factory import ModuleFactory
@@ -24,6 +24,9 @@ from .indexer import Indexer
 from .kv_quant import StoredTensor
 
 __all__ = ["Attention", "ForwardState", "store_in_ring"]
+
+
+_PICKED_TABLES = "of a decode step's picked entries, whose tables are built on the device (band.picked_entries)"
 
 
 class ForwardState:
@@ -84,14 +87,18 @@ class Attention(nn.Module):
         band = state.band if self.ratio else None
         attend = band is not None and band.selected is not None
         window = cache.windows[self.layer]
-        # NOTE: the reference ops read plain tensors, so the step's slots and blocks are decoded first;
-        # a fused kernel reads the fp8/fp4 codes directly.
+        # NOTE: the reference ops read plain tensors, so the step's slots and blocks are decoded first (in a
+        # plain decode step, only the selected entries); a fused kernel reads the fp8/fp4 codes directly.
         ring = window.read(ops, (batch.slot_ids.to(torch.long),))
-        entries = None
-        if attend:
+        entries, local = None, state.local
+        if attend and batch.is_plain_decode:
+            entries, tables = picked_entries(ops, band, batch)
+            local = replace(local, block_tables=tables,
+                            block_tables_cpu=NotOnHost(len(tables), "block_tables_cpu", _PICKED_TABLES))
+        elif attend:
             entries = band.cache.entries.read(ops, (batch.block_tables.clamp(min=0).to(torch.long),)).flatten(0, 1)
         out = ops.rotary_attention(
-            q, kv, ring, self.attn_sink, self.head_dim**-0.5, state.local, self.inv_freq,
+            q, kv, ring, self.attn_sink, self.head_dim**-0.5, local, self.inv_freq,
             entries=entries, ratio=self.ratio, selected=band.selected if attend else None,
         )
         store_in_ring(self.ops, kv, batch, window)

@@ -17,7 +17,7 @@ from deepinfer_core.platform.kernel_ops import KernelOps
 from .cache import BandCache
 from .kv_quant import StoredTensor
 
-__all__ = ["DECODE_ROWS", "BandState", "gather_entries", "write_entries"]
+__all__ = ["DECODE_ROWS", "BandState", "gather_entries", "picked_entries", "write_entries"]
 
 # `BandState.candidates` key of a plain decode step's masks: one row a sequence, all sequences at once.
 DECODE_ROWS = -1
@@ -30,6 +30,10 @@ class BandState:
     selected: torch.Tensor | None = None
     # sequence index -> its queries' candidate masks [q, n_entries]; DECODE_ROWS -> [S, bound entries]
     candidates: dict[int, torch.Tensor] = field(default_factory=dict)
+    # A plain decode step's decoded reads, shared by the band's layers: every index key [S, n, c], and the
+    # latest selection's entries with the tables that find them (`picked_entries`).
+    index_keys: torch.Tensor | None = None
+    picked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def gather_entries(ops: KernelOps, pool: StoredTensor, block_tables: torch.Tensor, n_entries: int) -> torch.Tensor:
@@ -38,6 +42,28 @@ def gather_entries(ops: KernelOps, pool: StoredTensor, block_tables: torch.Tenso
     per_block = pool.parts[0].shape[1]
     ids = torch.arange(n_entries, device=block_tables.device)
     return pool.read(ops, (block_tables.to(torch.long)[..., ids // per_block], ids % per_block))
+
+
+def picked_entries(ops: KernelOps, band: BandState, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A plain decode step's selected entries alone, decoded: [S*k + 1, 1, c] (the last row zeros) and block
+    tables [S, n + 1] (n: the bound's entry count) that send entry w of sequence s to its row, one entry a
+    block, every unselected entry to the zero row. The attention reads the very values it would read from
+    the whole decoded pool; the step decodes k entries a sequence instead of all of them."""
+    selected = band.selected
+    if band.picked is not None and band.picked[0] is selected:  # a Reuse layer of the same selection
+        return band.picked[1:]
+    pool, (n_seqs, k) = band.cache.entries, selected.shape
+    per_block = pool.parts[0].shape[1]
+    ids = selected.clamp(min=0)
+    blocks = batch.block_tables.clamp(min=0).to(torch.long).gather(1, ids // per_block)
+    values = pool.read(ops, (blocks, ids % per_block)).flatten(0, 1)
+    entries = torch.cat([values, values.new_zeros(1, values.shape[-1])]).unsqueeze(1)
+    n_entries = batch.seq_len_bound // band.cache.ratio
+    tables = torch.full((n_seqs, n_entries + 1), n_seqs * k, dtype=torch.int32, device=selected.device)
+    rows = torch.arange(n_seqs * k, dtype=torch.int32, device=selected.device).view(n_seqs, k)
+    tables.scatter_(1, torch.where(selected >= 0, selected, n_entries), rows)  # -1 picks: column n, never read
+    band.picked = (selected, entries, tables)
+    return entries, tables
 
 
 def write_entries(

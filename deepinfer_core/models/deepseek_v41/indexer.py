@@ -103,8 +103,9 @@ class Indexer(nn.Module):
         selected = torch.full((q.shape[0], self.topk), -1, dtype=torch.long, device=device)
         if n_entries == 0:
             return selected
-        keys = gather_entries(self.ops, band.cache.index_keys, batch.block_tables.clamp(min=0), n_entries)
-        scores = self.ops.indexer_scores(q, keys, head_weights)
+        if band.index_keys is None:  # decoded once a step for the band's index sources
+            band.index_keys = gather_entries(self.ops, band.cache.index_keys, batch.block_tables.clamp(min=0), n_entries)
+        scores = self.ops.indexer_scores(q, band.index_keys, head_weights)
         visible_counts = (batch.positions + 1).div(r, rounding_mode="floor")
         scores = scores.masked_fill(torch.arange(n_entries, device=device) >= visible_counts[:, None], float("-inf"))
         if self.is_candidate_source:
