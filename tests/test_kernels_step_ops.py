@@ -1,4 +1,5 @@
-"""Triton `rope`, `indexer_topk`, `store_window` and `gather_rows` against the reference ops, through the interpreter.
+"""Triton `rope`, `indexer_topk`, `store_window`, `gather_rows` and V4.1's fp4 KV decode against the reference
+ops, through the interpreter.
 
 Inputs are the conformance cases' (random mixed prefill + decode steps over a paged cache), plus an
 indexer step with more entries than one tile and queries spanning several query tiles.
@@ -15,6 +16,7 @@ from kernel_checks import assert_matches
 from deepinfer_core.platform.kernel_ops import KernelOps
 from deepinfer_core.platform.op_cases import OP_CASES
 from deepinfer_kernels.cache_writes import store_window
+from deepinfer_kernels.fp4_decode import fp4_block_dequantize
 from deepinfer_kernels.indexer import indexer_topk
 from deepinfer_kernels.rope import rope
 from deepinfer_kernels.row_gather import gather_rows
@@ -133,3 +135,21 @@ def test_gather_rows_is_exact(name):
     got = gather_rows(table, ids)
     assert got.dtype == table.dtype
     assert torch.equal(got.view(torch.uint8), KernelOps().gather_rows(table, ids).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block,scale_format", [(16, "e4m3"), (32, "ue8m0")])
+def test_fp4_decode_equals_reference_bitwise(dtype, block, scale_format):
+    """Quantised vectors over many binades in the leading dims of a paged read ([S, n, d/2]), then every
+    code byte under every scale byte (negative, subnormal, NaN and infinite scales too); exact, as the
+    reference (NaN where it is NaN)."""
+    gen = torch.Generator().manual_seed(block)
+    x = torch.randn(3, 7, 128, generator=gen) * torch.exp2(torch.randint(-14, 8, (3, 7, 1), generator=gen).float())
+    packed, scales = KernelOps().fp4_block_quantize(x, block, scale_format)
+    assert torch.equal(fp4_block_dequantize(packed, scales, dtype), KernelOps().fp4_block_dequantize(packed, scales, dtype))
+    every = torch.arange(256, dtype=torch.uint8)
+    packed = every.repeat(256, 1)  # row r: every code byte, 512 values...
+    scales = every.view(-1, 1).repeat(1, 512 // block).view(scales.dtype)  # ...under scale byte r
+    ours, reference = fp4_block_dequantize(packed, scales, dtype), KernelOps().fp4_block_dequantize(packed, scales, dtype)
+    assert torch.equal(ours.isnan(), reference.isnan())
+    assert torch.equal(ours.nan_to_num(), reference.nan_to_num())

@@ -36,7 +36,7 @@ class TritonOps(KernelOps):
 
     def __init__(self) -> None:
         from deepinfer_kernels import (
-            cache_writes, compress_kv, fused_moe, hyper_connection, indexer, linear, rms_norm, rope, routing,
+            cache_writes, compress_kv, fp4_decode, fused_moe, hyper_connection, indexer, linear, rms_norm, rope, routing,
             row_gather, sparse_attention,
         )
 
@@ -64,6 +64,7 @@ class TritonOps(KernelOps):
         self._store_window = cache_writes.store_window
         self._gather_rows = row_gather.gather_rows
         self._compress_kv = compress_kv.compress_kv
+        self._fp4_block_dequantize = fp4_decode.fp4_block_dequantize
         self._compress_supported = compress_kv.compress_supported
 
     @staticmethod
@@ -289,6 +290,9 @@ class TritonOps(KernelOps):
 
     def store_window(self, kv: torch.Tensor, window: torch.Tensor, batch: ForwardBatch) -> None:
         self._store_window(kv, window, batch)
+
+    def fp4_block_dequantize(self, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._fp4_block_dequantize(packed, scales, dtype)
 
     def gather_rows(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # Zero-copy from host memory: the ids never come back to the host, so the step does not wait.
