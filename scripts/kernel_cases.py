@@ -39,6 +39,11 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
         for name, n, k in projections:
             for fmt in ("bf16", "fp8", "fp8-a8", "fp4"):
                 yield Case(f"linear {name} {fmt} M={m} N={n} K={k}", partial(_linear, ops, reference, m, n, k, fmt, tiny))
+    # DeepSeek-V4.1's fp8 weights: 32 x 32 scale blocks, smaller than the tiles (FP8_SCALED_TILES); its wq_b, wo_b
+    for name, n, k in ([("wq_b", 80, 64)] if tiny else [("wq_b", 32768, 1280), ("wo_b", 5120, 8192)]):
+        for m in ([1, 33] if tiny else [1, 64, 8192]):
+            yield Case(f"linear {name} fp8 block=32x32 M={m} N={n} K={k}",
+                       partial(_linear, ops, reference, m, n, k, "fp8", tiny, block=(32, 32)))
     groups, group_rows = (2, 32) if tiny else (8, 1024)  # wo_a: o_groups x o_lora_rank, K = heads*dim/groups
     for m in ([1, 33] if tiny else [1, 64, 8192]):
         for fmt in ("bf16", "fp8", "fp8-a8"):
@@ -67,6 +72,10 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
         for fmt in ("bf16", "fp4"):
             yield Case(f"fused_moe_prescaled {fmt} T={tokens} E={experts} k={top_k}",
                        partial(_moe, ops, reference, tokens, hidden, inter, experts, top_k, fmt, tiny, prescaled=True))
+        # the release layout: fp4 experts, the shared expert in fp8 of 32 x 32 blocks (FP8_SCALED_TILES)
+        yield Case(f"fused_moe_prescaled fp4 shared=fp8-32x32 T={tokens} E={experts} k={top_k}",
+                   partial(_moe, ops, reference, tokens, hidden, inter, experts, top_k, "fp4", tiny, prescaled=True,
+                           shared_block=(32, 32)))
     heads, dim, ring = (4, 48, 8) if tiny else (64, 512, 128)
     steps = ([("decode", 3, 1, 40), ("prefill", 1, 30, 0)] if tiny else
              [("decode", 1, 1, 8192), ("decode", 64, 1, 8192), ("prefill", 1, 4096, 0)])
@@ -99,11 +108,11 @@ def _quantized(w: torch.Tensor, fmt: str, block: tuple[int, int]):
     return w.to(torch.bfloat16), None, None, 2.0
 
 
-def _linear(ops, reference, m, n, k, fmt, tiny, gen, device):
+def _linear(ops, reference, m, n, k, fmt, tiny, gen, device, block=None):
     ops, reference = fresh_ops(type(ops), fmt), fresh_ops(type(reference), fmt)
     x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
     w = torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)
-    weight, scale, block, bytes_per_weight = _quantized(w, fmt, (32, 32) if tiny else (128, 128))
+    weight, scale, block, bytes_per_weight = _quantized(w, fmt, block or ((32, 32) if tiny else (128, 128)))
     nbytes = 2 * m * k + bytes_per_weight * n * k + 2 * m * n
     return (lambda: ops.linear(x, weight, scale, block), lambda: reference.linear(x, weight, scale, block),
             2 * m * n * k, nbytes, LINEAR_TOL, ops.fp8_activations)
@@ -225,12 +234,14 @@ def stacked_experts(num: int, hidden: int, inter: int, fmt: str, gen, device, bl
     return mlps, bytes_per_weight
 
 
-def _moe(ops, reference, tokens, hidden, inter, experts, top_k, fmt, tiny, gen, device, prescaled=False):
+def _moe(ops, reference, tokens, hidden, inter, experts, top_k, fmt, tiny, gen, device, prescaled=False,
+         shared_block=None):
     # NOTE: fresh ops, so a fresh expert-stack cache per case and earlier cases' experts can be freed
     ops, reference = fresh_ops(type(ops), fmt), fresh_ops(type(reference), fmt)
     block = (32, 32) if tiny else (128, 128)
     mlps, bytes_per_weight = stacked_experts(experts, hidden, inter, fmt, gen, device, block)
-    (shared,), _ = stacked_experts(1, hidden, inter, "bf16" if fmt == "bf16" else "fp8", gen, device, block)
+    (shared,), _ = stacked_experts(1, hidden, inter, "bf16" if fmt == "bf16" else "fp8", gen, device,
+                                   shared_block or block)
     x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
     ids = torch.rand(tokens, experts, device=device, generator=gen).topk(top_k, dim=-1).indices
     weights = torch.rand(tokens, top_k, device=device, generator=gen) + 0.1

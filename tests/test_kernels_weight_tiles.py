@@ -1,4 +1,5 @@
-"""The kernels' fp4 weight decoding (`weight_tiles.load_weight_tile`) against `dequantize_fp4`, bit for bit."""
+"""The kernels' fp4 and fine-block fp8 weight decoding (`weight_tiles.load_weight_tile`) against the dequantised
+weights, bit for bit."""
 
 from __future__ import annotations
 
@@ -9,18 +10,20 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_core.quantization import dequantize_fp4
-from deepinfer_kernels.weight_tiles import FP4_SMALL_SCALES, as_kernel_weight, fp4_scales_small, load_weight_tile
+from deepinfer_core.quantization import dequantize_fp4, dequantize_fp8_block, quantize_fp8_block
+from deepinfer_kernels.weight_tiles import (
+    FP4_SMALL_SCALES, FP8_SCALED_TILES, as_kernel_weight, fp4_scales_small, fp8_tiles, load_weight_tile,
+)
 
 ROWS, COLS = 16, 64
 
 
 @triton.jit
 def _tile_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1):
     offs_n = tl.arange(0, BLOCK_N)
     tile = load_weight_tile(w_ptr, s_ptr, offs_n, 0, N, K, stride_wn, stride_sn, FORMAT, out_ptr.dtype.element_ty,
-                            BLOCK_K)
+                            BLOCK_K, SCALE_BN, SCALE_BK)
     tl.store(out_ptr + offs_n[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :], tile)
 
 
@@ -53,3 +56,25 @@ def test_every_code_and_scale_decodes_exactly(dtype, fmt, scale_bytes):
     expected = dequantize_fp4(packed, scale, dtype)
     assert torch.equal(_decoded(packed, scale, fmt, dtype).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                        expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_blocks_smaller_than_the_tile_are_scaled_exactly_in_it(dtype):
+    """FP8_SCALED_TILES: a [16, 64] tile of (8 x 16)-blocks, each weight times its block's power-of-two scale,
+    bit for bit the dequantised weight (as V4.1's 32 x 32 blocks under 64 x 128 tiles)."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(ROWS, COLS, generator=gen) * torch.exp2(torch.randint(-20, 20, (ROWS, COLS), generator=gen).float())
+    values, scale = quantize_fp8_block(w, (8, 16))
+    expected = dequantize_fp8_block(values, scale, (8, 16), dtype)
+    assert fp8_tiles((8, 16), ROWS, COLS) == (FP8_SCALED_TILES, ROWS, COLS)
+    w_k, s_k = as_kernel_weight(values, scale)
+    out = torch.empty(ROWS, COLS, dtype=dtype)
+    _tile_kernel[(1,)](w_k, s_k, out, ROWS, COLS, w_k.stride(0), s_k.stride(0), FORMAT=FP8_SCALED_TILES, BLOCK_N=ROWS,
+                       BLOCK_K=COLS, SCALE_BN=8, SCALE_BK=16)
+    assert torch.equal(out, expected)
+
+
+def test_fp8_tiles_keep_a_tile_inside_a_block_or_of_whole_blocks():
+    assert fp8_tiles((128, 128), 64, 128) == (1, 64, 128)  # V4's blocks: scaled after the product
+    assert fp8_tiles((32, 32), 64, 128) == (FP8_SCALED_TILES, 64, 128)  # V4.1's: scaled in the tile
+    assert fp8_tiles((48, 32), 64, 128) == (1, 48, 32)  # neither: shrunk to the block

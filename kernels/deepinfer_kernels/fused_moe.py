@@ -29,7 +29,7 @@ from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, q
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 from deepinfer_kernels.moe_plan import moe_plan
 from deepinfer_kernels.weight_tiles import (
-    FP4_SMALL_SCALES, as_kernel_weight, e8m0_to_float, fp4_scales_small, load_weight_tile, weight_format,
+    FP4_SMALL_SCALES, as_kernel_weight, e8m0_to_float, fp4_scales_small, fp8_tiles, load_weight_tile, weight_format,
 )
 
 __all__ = [
@@ -78,8 +78,10 @@ def _gate_up_sums(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :],
                     mask=(entry[:, None] >= 0) & (offs_k[None, :] < K), other=0.0)
-        g_tile = load_weight_tile(w1, s1, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K)
-        u_tile = load_weight_tile(w3, s3, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K)
+        g_tile = load_weight_tile(w1, s1, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K, SCALE_BN,
+                                  SCALE_BK)
+        u_tile = load_weight_tile(w3, s3, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K, SCALE_BN,
+                                  SCALE_BK)
         if A8:
             x_scale = tl.load(xs_ptr + token * stride_xsm + k0 // BLOCK_K)[:, None]
             g_part = tl.dot(x, tl.trans(g_tile)) * x_scale
@@ -206,7 +208,7 @@ def _down_sums(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :],
                     mask=offs_k[None, :] < K, other=0.0)
-        w = load_weight_tile(w2, s2, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K)
+        w = load_weight_tile(w2, s2, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K, SCALE_BN, SCALE_BK)
         if IEEE:
             part = tl.dot(a, tl.trans(w), input_precision="ieee")
         else:
@@ -447,13 +449,14 @@ def moe_routed(
         block_n = min(block_n, experts.block[0])
         block_k = experts.block[1] if a8 else min(block_k, experts.block[1])
     scale_bn, scale_bk = experts.block if fmt == 1 else (1, 1)
-    mixed = shared_fmt != fmt  # an fp8 shared expert beside fp4 experts: its tiles inside its scale blocks
-    if mixed:
-        block_n = min(block_n, shared.block[0])
+    mixed = shared_fmt != fmt  # an fp8 shared expert beside fp4 experts: its own K loop
+    shared_format, shared_block_k = kernel_format, block_k
+    if mixed:  # in tiles inside one of its scale blocks, or (V4.1's 32 x 32) of whole blocks scaled in the tile
+        shared_format, block_n, shared_block_k = fp8_tiles(shared.block, block_n, block_k)
     shared_args = dict(
-        SHARED=fused, SHARED_FORMAT=shared_fmt if mixed else kernel_format,
+        SHARED=fused, SHARED_FORMAT=shared_format,
         SHARED_SCALE_BN=shared.block[0] if mixed else scale_bn, SHARED_SCALE_BK=shared.block[1] if mixed else scale_bk,
-        SHARED_BLOCK_K=min(block_k, shared.block[1]) if mixed else block_k,
+        SHARED_BLOCK_K=shared_block_k,
         HALF_TAILS=half_tails(block_m, batch_invariant), PRESCALED=prescaled,
     )
     row_entry, block_expert = moe_plan(ids, experts.local_ids, experts.num_held, block_m, fused)

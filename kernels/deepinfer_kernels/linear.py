@@ -18,7 +18,7 @@ import triton.language as tl
 
 from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, quantize_fp8_rows
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
-from deepinfer_kernels.weight_tiles import as_kernel_weight, e8m0_to_float, load_weight_tile, weight_format
+from deepinfer_kernels.weight_tiles import as_kernel_weight, e8m0_to_float, fp8_tiles, load_weight_tile, weight_format
 
 __all__ = ["BATCH_INVARIANT_ROWS", "grouped_linear", "linear", "linear_supported", "split_k", "tile_config"]
 
@@ -61,7 +61,8 @@ def _linear_kernel(
             x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
             mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0,
         )
-        w = load_weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K)
+        w = load_weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K, SCALE_BN,
+                             SCALE_BK)
         if A8:
             x_scale = tl.load(xs_ptr + offs_m.to(tl.int64) * stride_xsm + k0 // BLOCK_K, mask=offs_m < M, other=0.0)
             part = tl.dot(x, tl.trans(w)) * x_scale[:, None]
@@ -91,15 +92,14 @@ def _linear_kernel(
             tl.store(counter, 0)
 
 
-def tile_config(m: int, fmt: int, block: tuple[int, int] | None) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for m rows; fp8 tiles stay inside one scale block."""
+def tile_config(m: int, fmt: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for m rows; an fp8 weight's scale blocks then shape
+    the tile (`weight_tiles.fp8_tiles`)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     block_n = 64 if m <= 64 else 128
     # decode-sized rows stream the weight: longer K tiles, one more stage (scripts/tune_linear_tiles.py:
     # the LM head at 1-16 rows goes from 95-97% to 100-102% of the measured copy bandwidth)
     block_k = 128 if fmt == 1 or m <= 16 else 64
-    if fmt == 1 and block is not None:
-        block_n, block_k = min(block_n, block[0]), min(block_k, block[1])
     warps = 4 if block_m <= 64 else 8
     return block_m, block_n, block_k, warps, 4 if m <= 16 else 3
 
@@ -156,11 +156,14 @@ def grouped_linear(
         w = w.to(x.dtype)
     out = torch.empty((tokens, groups, n), dtype=x.dtype, device=x.device)
     tiled_rows = BATCH_INVARIANT_ROWS if batch_invariant else tokens
-    block_m, block_n, block_k, warps, stages = tile_config(tiled_rows, fmt, block)
+    block_m, block_n, block_k, warps, stages = tile_config(tiled_rows, fmt)
     a8 = fp8_activations and fmt == 1
+    kernel_format = fmt
+    if fmt == 1 and not a8:
+        kernel_format, block_n, block_k = fp8_tiles(block, block_n, block_k)
     x_in, x_scales = x, w
     if a8:
-        block_k = block[1]  # one K tile = one activation group
+        block_n, block_k = min(block_n, block[0]), block[1]  # one K tile = one activation group
         codes, x_scales = quantize_fp8_rows(x.reshape(tokens * groups, k), block_k)
         x_in, x_scales = codes.view(tokens, groups, k), x_scales.view(tokens, groups, -1)
     scale_bn, scale_bk = block if fmt == 1 else (1, 1)
@@ -181,7 +184,7 @@ def grouped_linear(
         x_in.stride(0), x_scales.stride(0), w.stride(0), s_stride, out.stride(0), partials.stride(0),
         x_in.stride(1), x_scales.stride(1) if a8 else 0, n * w.stride(0), scale_rows_per_group * s_stride,
         out.stride(1),
-        FORMAT=fmt, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
+        FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
         A8=a8, num_warps=warps, num_stages=stages, **launch_options(x.device),
     )

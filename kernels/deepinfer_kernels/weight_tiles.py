@@ -4,6 +4,9 @@ Formats (MODEL_SPEC §8, `deepinfer_core.quantization`), the kernels' FORMAT con
 - DENSE (0): the weight in the compute dtype.
 - FP8 (1): float8_e4m3fn values; the (bn x bk) block scale is a power of two, so the caller multiplies the
   tile's partial product by it (exact) instead of scaling every element: tiles never straddle a block.
+  FP8_SCALED_TILES (4): the same weights in tiles of whole blocks smaller than the tile (DeepSeek-V4.1's
+  32 x 32): each weight times its block's scale here (exact in the compute dtype), so that a decode-sized
+  launch keeps tiles long enough to stream the weight (`fp8_tiles`).
 - FP4 (2): e2m1 codes, two per byte (even column in the low nibble), one e8m0 scale per 32 columns, applied
   here per 32-column group, in two exact products per weight. FP4_SMALL_SCALES (3): the same codes whose
   scales are all at most 2 (`fp4_scales_small`, every real checkpoint's): one product per weight, 10-12%
@@ -23,11 +26,12 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "FP4_SMALL_SCALES", "as_kernel_weight", "e2m1_words_as_float", "e8m0_to_float", "fp4_scales_small", "load_weight_tile",
-    "weight_format",
+    "FP4_SMALL_SCALES", "FP8_SCALED_TILES", "as_kernel_weight", "e2m1_words_as_float", "e8m0_to_float", "fp4_scales_small",
+    "fp8_tiles", "load_weight_tile", "weight_format",
 ]
 
 FP4_SMALL_SCALES = 3
+FP8_SCALED_TILES = 4
 
 
 def weight_format(weight: torch.Tensor) -> int:
@@ -43,6 +47,16 @@ def fp4_scales_small(*scales: torch.Tensor) -> bool:
     """Every e8m0 scale byte is at most 128 (scale <= 2), so FP4_SMALL_SCALES applies. Reads the scales'
     maximum back to the host (a synchronisation): decide once per weight, not per step."""
     return all(int(s.view(torch.uint8).max()) <= 128 for s in scales if s.numel())
+
+
+def fp8_tiles(block: tuple[int, int], block_n: int, block_k: int) -> tuple[int, int, int]:
+    """(FORMAT, BLOCK_N, BLOCK_K) for an fp8 weight of scale `block` under the wanted tile: FP8 when the tile
+    fits in a block; FP8_SCALED_TILES when it holds whole blocks; else FP8 in tiles shrunk to the block."""
+    if block[0] >= block_n and block[1] >= block_k:
+        return 1, block_n, block_k
+    if block_n % block[0] == 0 and block_k % block[1] == 0:
+        return FP8_SCALED_TILES, block_n, block_k
+    return 1, min(block_n, block[0]), min(block_k, block[1])
 
 
 def as_kernel_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,14 +98,24 @@ def e2m1_words_as_float(words):
 @triton.jit
 def load_weight_tile(
     w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT: tl.constexpr, COMPUTE: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
 ):
-    """[BLOCK_N, BLOCK_K] tile of W (rows offs_n, columns k0..k0+BLOCK_K) in the COMPUTE dtype; FP8 unscaled.
+    """[BLOCK_N, BLOCK_K] tile of W (rows offs_n, columns k0..k0+BLOCK_K) in the COMPUTE dtype; FP8 unscaled,
+    FP8_SCALED_TILES scaled by its (SCALE_BN x SCALE_BK) blocks.
 
     FP4 tiles (BLOCK_K a multiple of 32, k0 too) load their words and scales once each, as contiguous rows.
     """
     rows = offs_n[:, None].to(tl.int64)
-    if FORMAT >= 2:
+    if FORMAT == 4:  # FP8_SCALED_TILES: a scale per row and K block, spread over the block's columns
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=(offs_n[:, None] < N) & (offs_k[None, :] < K),
+                    other=0.0).to(tl.float32)
+        k_blocks = k0 // SCALE_BK + tl.arange(0, BLOCK_K // SCALE_BK)
+        scale_bytes = tl.load(s_ptr + (offs_n[:, None] // SCALE_BN).to(tl.int64) * stride_sn + k_blocks[None, :],
+                              mask=(offs_n[:, None] < N) & (k_blocks[None, :] < tl.cdiv(K, SCALE_BK)), other=127)
+        tile = tl.reshape(w, [offs_n.shape[0], BLOCK_K // SCALE_BK, SCALE_BK]) * e8m0_to_float(scale_bytes)[:, :, None]
+        return tl.reshape(tile, [offs_n.shape[0], BLOCK_K]).to(COMPUTE)
+    elif FORMAT >= 2:
         words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         # K is whole 32-column groups, so its word count is a multiple of 4, written so that the compiler
         # sees it: the mask then covers four words at a time and a row's words load 16 bytes a thread
