@@ -24,7 +24,7 @@ from deepinfer_core.platform.kernel_ops import KernelOps
 __all__ = [
     "BenchModel", "attention_flops", "build_deepinfer", "build_transformers", "counting_experts",
     "expected_experts_touched", "flash_slice_raw", "kv_bytes_per_sequence", "random_cache", "setup", "step_batch",
-    "use_ops", "weight_bytes", "weight_flops_per_token",
+    "randomise_parameter", "use_ops", "weight_bytes", "weight_flops_per_token",
 ]
 
 FLASH_WIDTHS: dict[str, Any] = {
@@ -101,11 +101,11 @@ def build_deepinfer(
     model = DeepseekV4ForCausalLM(config, ops, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, tensor in model.state_dict().items():
-        _randomise(name, tensor, config, gen)
+        randomise_parameter(name, tensor, config, gen)
     return BenchModel(config, model)
 
 
-def _randomise(name: str, t: torch.Tensor, config: DeepseekV4Config, gen: torch.Generator) -> None:
+def randomise_parameter(name: str, t: torch.Tensor, config: DeepseekV4Config, gen: torch.Generator) -> None:
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "tid2eid":
         t.copy_(torch.rand(t.shape[0], config.n_routed_experts, device=t.device, generator=gen)
@@ -241,37 +241,38 @@ def kv_bytes_per_sequence(config: DeepseekV4Config, context: int) -> float:
     return total
 
 
-def weight_bytes(model: DeepseekV4ForCausalLM, experts_touched: float) -> float:
-    """Bytes of weights a step reads: everything but the embedding table, routed experts counted at
-    `experts_touched` per layer (of n_routed_experts)."""
-    c = model.config
+def weight_bytes(model: torch.nn.Module, experts_touched: float, n_routed_experts: int | None = None) -> float:
+    """Bytes of weights a step reads: everything but the embedding tables (the token embedding; V4.1's
+    engram tables in host memory, of which a token reads a few rows), routed experts counted at
+    `experts_touched` per layer (of n_routed_experts, default the V4 config's)."""
+    routed = n_routed_experts or model.config.n_routed_experts
     total = 0.0
     for name, p in model.named_parameters():
-        if name.startswith(("embed.", "mtp.")):
+        if name.startswith(("embed.", "mtp.")) or ".engram.embed." in name:
             continue
         size = p.numel() * p.element_size()
-        total += size * (experts_touched / c.n_routed_experts if ".experts." in name else 1.0)
+        total += size * (experts_touched / routed if ".experts." in name else 1.0)
     return total
 
 
 @contextmanager
-def counting_experts(ops: KernelOps) -> Iterator[list[int]]:
-    """The distinct routed experts of each `ops.fused_moe` call inside the block, read from its routing
-    ids: the experts a step really reads. (This random model's router is far from uniform: at 16 and 64
+def counting_experts(ops: KernelOps, op_name: str = "fused_moe") -> Iterator[list[int]]:
+    """The distinct routed experts of each `ops.<op_name>` call inside the block (V4.1's MoE calls
+    `fused_moe_prescaled`), read from its routing ids: the experts a step really reads. (This random model's router is far from uniform: at 16 and 64
     tokens it touches fewer experts than `expected_experts_touched`, which made steps look faster than the
     floor.)"""
     counts: list[int] = []
-    run = ops.fused_moe
+    run = getattr(ops, op_name)
 
     def counted(x, weights, ids, *args, **kwargs):
         counts.append(int(torch.unique(ids).numel()))
         return run(x, weights, ids, *args, **kwargs)
 
-    ops.fused_moe = counted
+    setattr(ops, op_name, counted)
     try:
         yield counts
     finally:
-        del ops.fused_moe
+        delattr(ops, op_name)
 
 
 def expected_experts_touched(config: DeepseekV4Config, tokens: int) -> float:
