@@ -106,38 +106,18 @@ class TritonOps(KernelOps):
             x, weight, scale, block, self.batch_invariant, self._num_sms(x.device), self.fp8_activations
         )
 
-    def fused_moe(
-        self,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        ids: torch.Tensor,
-        experts: Sequence[MlpWeights | None],
-        shared: MlpWeights | None,
-        swiglu_limit: float,
-    ) -> torch.Tensor:
+    def fused_moe(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  experts: Sequence[MlpWeights | None], shared: MlpWeights | None, swiglu_limit: float) -> torch.Tensor:
         return self._routed_experts(x, weights, ids, experts, shared, swiglu_limit, prescaled=False)
 
-    def fused_moe_prescaled(
-        self,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        ids: torch.Tensor,
-        experts: Sequence[MlpWeights | None],
-        shared: MlpWeights | None,
-        swiglu_limit: float,
-    ) -> torch.Tensor:
+    def fused_moe_prescaled(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                            experts: Sequence[MlpWeights | None], shared: MlpWeights | None,
+                            swiglu_limit: float) -> torch.Tensor:
         return self._routed_experts(x, weights, ids, experts, shared, swiglu_limit, prescaled=True)
 
-    def _routed_experts(
-        self,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        ids: torch.Tensor,
-        experts: Sequence[MlpWeights | None],
-        shared: MlpWeights | None,
-        swiglu_limit: float,
-        prescaled: bool,
-    ) -> torch.Tensor:
+    def _routed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                        experts: Sequence[MlpWeights | None], shared: MlpWeights | None, swiglu_limit: float,
+                        prescaled: bool) -> torch.Tensor:
         """`fused_moe` (V4: the weight scales w2's output) or `fused_moe_prescaled` (V4.1: it scales the
         activation), in the same two grouped launches."""
         # Expert parallelism calls this with no shared expert (pairs computed for another rank) or

@@ -79,17 +79,8 @@ class Indexer(nn.Module):
                 continue
             keys = gather_entries(ops, band.cache.index_keys, batch.block_tables[i], n_entries)
             scores = ops.indexer_scores(q[rows], keys, head_weights[rows])
-            visible_counts = (batch.positions[rows] + 1).div(r, rounding_mode="floor")
-            visible = torch.arange(n_entries, device=x.device)[None, :] < visible_counts[:, None]
-            scores = scores.masked_fill(~visible, float("-inf"))
-            if self.is_candidate_source:
-                band.candidates[i] = candidate_mask(scores, visible_counts, self.candidate_blocks,
-                                                    self.candidate_block_size)
-                self.trace.record(f"candidates.layer{self.layer}.seq{i}", band.candidates[i])
-            elif self.uses_candidates and i in band.candidates:
-                scores = scores.masked_fill(~band.candidates[i], float("-inf"))
-            top = _top_entries(scores, min(self.topk, n_entries), ops.batch_invariant)
-            picks = torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1))
+            picks = self._picks(scores, batch.positions[rows], band, i, f"candidates.layer{self.layer}.seq{i}",
+                                ops.batch_invariant)
             selected[rows, : picks.shape[1]] = picks
         self.trace.record(f"index_topk.layer{self.layer}", selected)
         return selected
@@ -98,23 +89,32 @@ class Indexer(nn.Module):
         """One query a sequence, all sequences at once over the bound's entries (`seq_len_bound`): each
         query scores its own sequence's keys, entries it cannot see score -inf. The top-k is always the
         stable one, so that a row's picks do not depend on how far past its entries the bound reaches."""
-        r, device = self.ratio, q.device
-        n_entries = batch.seq_len_bound // r
-        selected = torch.full((q.shape[0], self.topk), -1, dtype=torch.long, device=device)
+        n_entries = batch.seq_len_bound // self.ratio
+        selected = torch.full((q.shape[0], self.topk), -1, dtype=torch.long, device=q.device)
         if n_entries == 0:
             return selected
         if band.index_keys is None:  # decoded once a step for the band's index sources
             band.index_keys = gather_entries(self.ops, band.cache.index_keys, batch.block_tables.clamp(min=0), n_entries)
         scores = self.ops.indexer_scores(q, band.index_keys, head_weights)
-        visible_counts = (batch.positions + 1).div(r, rounding_mode="floor")
-        scores = scores.masked_fill(torch.arange(n_entries, device=device) >= visible_counts[:, None], float("-inf"))
-        if self.is_candidate_source:
-            band.candidates[DECODE_ROWS] = candidate_mask(scores, visible_counts, self.candidate_blocks,
-                                                          self.candidate_block_size)
-            self.trace.record(f"candidates.layer{self.layer}", band.candidates[DECODE_ROWS])
-        elif self.uses_candidates and DECODE_ROWS in band.candidates:
-            scores = scores.masked_fill(~band.candidates[DECODE_ROWS], float("-inf"))
-        top = _top_entries(scores, min(self.topk, n_entries), stable=True)
-        selected[:, : top.indices.shape[1]] = torch.where(top.values > float("-inf"), top.indices, -1)
+        picks = self._picks(scores, batch.positions, band, DECODE_ROWS, f"candidates.layer{self.layer}", stable=True)
+        selected[:, : picks.shape[1]] = picks
         self.trace.record(f"index_topk.layer{self.layer}", selected)
         return selected
+
+    def _picks(
+        self, scores: torch.Tensor, positions: torch.Tensor, band: BandState, key: int, trace_name: str, stable: bool
+    ) -> torch.Tensor:
+        """Entry ids [q, min(topk, n)] (-1 = none) from scores [q, n] of queries at `positions`: entries they
+        cannot see masked, then the candidate source's mask published under `key` (it picks outside it
+        too) or, on an index source after it, applied."""
+        n_entries = scores.shape[-1]
+        visible_counts = (positions + 1).div(self.ratio, rounding_mode="floor")
+        invisible = torch.arange(n_entries, device=scores.device) >= visible_counts[:, None]
+        scores = scores.masked_fill(invisible, float("-inf"))
+        if self.is_candidate_source:
+            band.candidates[key] = candidate_mask(scores, visible_counts, self.candidate_blocks, self.candidate_block_size)
+            self.trace.record(trace_name, band.candidates[key])
+        elif self.uses_candidates and key in band.candidates:
+            scores = scores.masked_fill(~band.candidates[key], float("-inf"))
+        top = _top_entries(scores, min(self.topk, n_entries), stable)
+        return torch.where(top.values > float("-inf"), top.indices, -1)
