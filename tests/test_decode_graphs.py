@@ -2,15 +2,19 @@
 static buffers, the context bounds and the engine's choice of which steps replay. The ops are the nvidia
 backend's (Triton kernels through the interpreter): the reference ops plan on the host and rightly fail
 a capture. The graph is a double that reruns the captured step at each replay and refreshes its output
-in place, as a device graph does; real capture runs on the GPU (`scripts/check_engine_gpu.py`)."""
+in place, as a device graph does, and refuses, while it captures, what a device graph cannot replay: the
+host lists (`NotOnHost`) and tensors built from host data. Real capture runs on the GPU
+(`scripts/check_engine_gpu.py`, `scripts/bench_decode_v41.py`)."""
 
 from __future__ import annotations
 
 import triton_interpreter  # noqa: F401  (sets TRITON_INTERPRET=1 before the kernels import)
 
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
+import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine import decode_graphs
@@ -22,10 +26,28 @@ from deepinfer_core.reference.host_memory import HostMemoryManager
 class RerunGraph:
     def __init__(self, fn) -> None:
         self.fn = fn
-        self.output = fn()
+        with _no_tensors_from_host_data():  # the capture itself
+            self.output = fn()
 
     def replay(self) -> None:
         self.output.copy_(self.fn())
+
+
+@contextmanager
+def _no_tensors_from_host_data():
+    """`torch.tensor` raises: on a GPU, a tensor built from Python data inside a captured step is a copy from
+    host memory, which a device graph cannot replay (the capture fails; the CPU double would not see it)."""
+    made = torch.tensor
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a captured decode step built a tensor from host data (torch.tensor): make it once, "
+                             "before the capture, or on the device")
+
+    torch.tensor = refused
+    try:
+        yield
+    finally:
+        torch.tensor = made
 
 
 @pytest.fixture

@@ -49,8 +49,9 @@ class KernelOps:
     claiming the `batch_invariant` capability honours the flag in its overrides as well.
 
     `capturable_decode`: a decode step's ops size their work from the device tensors and
-    `ForwardBatch.max_seq_len` only, never from the per-sequence host lists, so the engine may capture
-    the step in a device graph (engine/decode_graphs.py). The reference ops plan on the host: False.
+    `ForwardBatch.max_seq_len` only, never from the per-sequence host lists, and copy nothing from the
+    host (a constant table is made once per device, before any capture), so the engine may capture the
+    step in a device graph (engine/decode_graphs.py). The reference ops plan on the host: False.
 
     `fp8_activations`: the engine sets it too (`LLM(fp8_activations=True)`). Projections with fp8
     weights then quantise their input the way fp8 MMA kernels must (W8A8, as DeepSeek's inference
