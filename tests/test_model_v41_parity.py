@@ -113,3 +113,21 @@ def test_chunked_prefill_with_odd_chunks_matches_golden(name: str) -> None:
     for p in chunks:
         assert offsets[p] == len(g[f"prompt{p}.input_ids"])
         assert _max_logprob_error(torch.cat(pieces[p]), g[f"prompt{p}.logprobs"]) < LOGPROB_ATOL, f"prompt {p}"
+
+
+def test_decode_scores_in_sequence_chunks_equal_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step whose keys exceed the indexer's budget scores a few sequences at a time: the same
+    log-probs as one pass over all of them (every band kind, fp8 / fp4 KV)."""
+    from deepinfer_core.models.deepseek_v41 import indexer
+
+    prompts = {slot: torch.arange(slot, 60 + 13 * slot) % 190 + 3 for slot in range(3)}
+
+    def decode_after_prefill() -> torch.Tensor:
+        runner = Runner(model("b_mixed_ratios", "fp8_fp4"))
+        for slot, prompt in prompts.items():
+            runner.step({slot: prompt})
+        return runner.step({slot: torch.tensor([7 + slot]) for slot in prompts})
+
+    whole = decode_after_prefill()
+    monkeypatch.setattr(indexer, "DECODE_SCORE_ELEMENTS", 1)  # one sequence a chunk
+    assert torch.equal(decode_after_prefill(), whole)

@@ -10,7 +10,13 @@ from deepinfer_core.models.forward_batch import ForwardBatch
 from .band import DECODE_ROWS, BandState, gather_entries
 from .factory import ModuleFactory
 
-__all__ = ["Indexer", "candidate_mask"]
+__all__ = ["DECODE_SCORE_ELEMENTS", "Indexer", "candidate_mask"]
+
+# A decode step scores all its sequences at once while their keys and per-head products stay under this many
+# values (64 sequences at a bound of 8,192 entries: one pass, 84M); longer contexts at larger batches go a few
+# sequences at a time, so that the transient stays near 1.5 GB instead of growing with the batch (256
+# sequences of 65,536 entries at once: over 15 GB of keys, their float32 copy and the products).
+DECODE_SCORE_ELEMENTS = 1 << 28
 
 
 def candidate_mask(scores: torch.Tensor, visible_counts: torch.Tensor, top_blocks: int, block_size: int) -> torch.Tensor:
@@ -93,9 +99,19 @@ class Indexer(nn.Module):
         selected = torch.full((q.shape[0], self.topk), -1, dtype=torch.long, device=q.device)
         if n_entries == 0:
             return selected
-        if band.index_keys is None:  # decoded once a step for the band's index sources
-            band.index_keys = gather_entries(self.ops, band.cache.index_keys, batch.block_tables.clamp(min=0), n_entries)
-        scores = self.ops.indexer_scores(q, band.index_keys, head_weights)
+        tables, rows = batch.block_tables.clamp(min=0), q.shape[0]
+        chunk = max(1, DECODE_SCORE_ELEMENTS // (n_entries * (self.head_dim + self.n_heads)))
+        if chunk >= rows:
+            if band.index_keys is None:  # decoded once a step for the band's index sources
+                band.index_keys = gather_entries(self.ops, band.cache.index_keys, tables, n_entries)
+            scores = self.ops.indexer_scores(q, band.index_keys, head_weights)
+        else:  # each index source decodes its keys again, a chunk at a time
+            scores = torch.cat([
+                self.ops.indexer_scores(q[s:s + chunk], gather_entries(self.ops, band.cache.index_keys,
+                                                                       tables[s:s + chunk], n_entries),
+                                        head_weights[s:s + chunk])
+                for s in range(0, rows, chunk)
+            ])
         picks = self._picks(scores, batch.positions, band, DECODE_ROWS, f"candidates.layer{self.layer}", stable=True)
         selected[:, : picks.shape[1]] = picks
         self.trace.record(f"index_topk.layer{self.layer}", selected)
