@@ -64,8 +64,8 @@ class TritonOps(KernelOps):
         self._store_window = cache_writes.store_window
         self._gather_rows = row_gather.gather_rows
         self._compress_kv = compress_kv.compress_kv
-        self._fp4_block_dequantize = fp4_decode.fp4_block_dequantize
         self._compress_supported = compress_kv.compress_supported
+        self._fp4_block_dequantize = fp4_decode.fp4_block_dequantize
 
     @staticmethod
     @functools.cache

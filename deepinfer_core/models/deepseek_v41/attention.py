@@ -26,7 +26,9 @@ from .kv_quant import StoredTensor
 __all__ = ["Attention", "ForwardState", "store_in_ring"]
 
 
-_PICKED_TABLES = "of a decode step's picked entries, whose tables are built on the device (band.picked_entries)"
+# No op reads the renumbered step's host block tables: they are never built (the picked entries' tables exist
+# on the device only, and a full copy of the renumbered ones would be host work on every step).
+_LOCAL_TABLES = "of a V4.1 step renumbered onto its decoded copies (ForwardState.local): read block_tables"
 
 
 class ForwardState:
@@ -44,7 +46,7 @@ class ForwardState:
         self.local = replace(
             batch, slot_ids=torch.arange(n_seqs, dtype=torch.int32, device=batch.slot_ids.device),
             slot_ids_cpu=list(range(n_seqs)), block_tables=tables,
-            block_tables_cpu=[list(range(i * width, (i + 1) * width)) for i in range(n_seqs)],  # no device sync
+            block_tables_cpu=NotOnHost(n_seqs, "block_tables_cpu", _LOCAL_TABLES),
         )
 
 
@@ -93,8 +95,7 @@ class Attention(nn.Module):
         entries, local = None, state.local
         if attend and batch.is_plain_decode:
             entries, tables = picked_entries(ops, band, batch)
-            local = replace(local, block_tables=tables,
-                            block_tables_cpu=NotOnHost(len(tables), "block_tables_cpu", _PICKED_TABLES))
+            local = replace(local, block_tables=tables)
         elif attend:
             entries = band.cache.entries.read(ops, (batch.block_tables.clamp(min=0).to(torch.long),)).flatten(0, 1)
         out = ops.rotary_attention(
