@@ -16,8 +16,9 @@ from kernel_checks import assert_matches
 from deepinfer_core.platform.kernel_ops import KernelOps
 from deepinfer_core.platform.op_cases import OP_CASES
 from deepinfer_kernels.cache_writes import store_window
-from deepinfer_kernels.fp4_decode import fp4_block_dequantize
+from deepinfer_kernels.kv_codes import fp4_block_dequantize, fp4_block_quantize, fp8_block_dequantize, fp8_block_quantize
 from deepinfer_kernels.indexer import indexer_topk
+from deepinfer_kernels.indexer_scores import indexer_scores
 from deepinfer_kernels.rope import rope
 from deepinfer_kernels.row_gather import gather_rows
 
@@ -153,3 +154,97 @@ def test_fp4_decode_equals_reference_bitwise(dtype, block, scale_format):
     ours, reference = fp4_block_dequantize(packed, scales, dtype), KernelOps().fp4_block_dequantize(packed, scales, dtype)
     assert torch.equal(ours.isnan(), reference.isnan())
     assert torch.equal(ours.nan_to_num(), reference.nan_to_num())
+
+
+def _binades(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """Values over many binades a block, and many exact e4m3 ties: multiples of 1/16 (the 3-bit mantissa's
+    half steps) times a power of two per row."""
+    steps = torch.randint(-256, 257, shape, generator=gen).float() / 16
+    return steps * torch.exp2(torch.randint(-20, 8, (*shape[:-1], 1), generator=gen).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_codes_equal_reference_bitwise(dtype):
+    """Window-KV codes: quantised over many binades (blocks below the 1e-4 floor, zeros, ties, -0.0) in the
+    leading dims of a step ([S, n, d]), then every e4m3 byte under every exponent byte decoded."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.cat([_binades(gen, 3, 5, 256), torch.randn(3, 1, 256, generator=gen) * 1e-6], dim=1)
+    x[0, 0, :32] = -0.0
+    x = x.to(dtype)
+    codes, exponents = fp8_block_quantize(x, 32)
+    ref_codes, ref_exponents = KernelOps().fp8_block_quantize(x, 32)
+    assert codes.dtype == torch.float8_e4m3fn and torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
+    assert torch.equal(exponents, ref_exponents)
+    every = torch.arange(256, dtype=torch.uint8)
+    values = every.repeat(256, 1).view(torch.float8_e4m3fn)  # row r: every code byte...
+    exponents = every.view(-1, 1).repeat(1, 256 // 32)  # ...under exponent byte r
+    ours, reference = fp8_block_dequantize(values, exponents, dtype), KernelOps().fp8_block_dequantize(values, exponents, dtype)
+    assert torch.equal(ours.isnan(), reference.isnan())
+    assert torch.equal(ours.nan_to_num(), reference.nan_to_num())
+
+
+def _threshold_blocks(scale: torch.Tensor, block: int) -> torch.Tensor:
+    """Blocks of amax 6 * scale (so the block's scale is `scale` in both formats) whose other values sit on
+    the e2m1 thresholds and half-way values, both signs: the ties of the rounding."""
+    points = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 3.0, 6.0, 0.0, -0.0, 0.1, 5.5])
+    q = torch.cat([points, -points])[torch.arange(block - 1) % (2 * points.numel())]
+    return torch.cat([torch.full((scale.numel(), 1), 6.0), q.expand(scale.numel(), -1)], dim=1) * scale[:, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block,scale_format", [(16, "e4m3"), (32, "ue8m0")])
+def test_fp4_quantize_equals_reference_bitwise(dtype, block, scale_format):
+    """Index-key and entry codes: vectors over many binades, blocks on the rounding's ties under many scales,
+    tiny blocks (the scale's floor) and, in e4m3, blocks past its range (the scale saturates at 448)."""
+    gen = torch.Generator().manual_seed(4 + block)
+    if scale_format == "e4m3":  # every positive finite e4m3 scale
+        scales = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    else:
+        scales = torch.exp2(torch.arange(-40, 40).float())
+    ties = _threshold_blocks(scales, block)
+    ties = ties[: ties.shape[0] - ties.shape[0] % (128 // block)].reshape(-1, 128)
+    x = torch.cat([
+        _binades(gen, 40, 128), torch.randn(4, 128, generator=gen) * 1e-30, torch.randn(4, 128, generator=gen) * 1e4,
+        ties,
+    ]).to(dtype)
+    packed, scale_bytes = fp4_block_quantize(x, block, scale_format)
+    ref_packed, ref_scales = KernelOps().fp4_block_quantize(x, block, scale_format)
+    assert torch.equal(packed, ref_packed)
+    assert scale_bytes.dtype == ref_scales.dtype and torch.equal(scale_bytes.view(torch.uint8), ref_scales.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4_e4m3", "fp4_ue8m0"])
+def test_paged_decode_gathers_rows_as_the_reference(fmt):
+    """Decoding `rows` of a paged pool [blocks, per_block, d] (repeats included) equals the reference's
+    gather-then-decode bit for bit; rows in any shape give that shape."""
+    gen = torch.Generator().manual_seed(3)
+    x = _binades(gen, 6, 4, 256)
+    if fmt == "fp8":
+        parts, decode = KernelOps().fp8_block_quantize(x, 32), fp8_block_dequantize
+    else:
+        block, scale_format = (16, "e4m3") if fmt == "fp4_e4m3" else (32, "ue8m0")
+        parts, decode = KernelOps().fp4_block_quantize(x, block, scale_format), fp4_block_dequantize
+    rows = torch.randint(0, 24, (3, 5, 2), generator=gen)
+    reference = getattr(KernelOps(), decode.__name__)(*parts, torch.bfloat16, rows=rows)
+    assert reference.shape == (3, 5, 2, 256)
+    assert torch.equal(decode(*parts, torch.bfloat16, rows=rows), reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_row", [True, False])
+@pytest.mark.parametrize("n_heads", [4, 24])
+def test_indexer_scores_match_reference(dtype, per_row, n_heads):
+    """V4.1's scores: keys per query row (a decode step) or shared (one sequence's prefill), entries past one
+    tile and heads short of the MMA's 16 or not a power of two; fp4-quantised values, as the model's."""
+    gen = torch.Generator().manual_seed(n_heads + per_row)
+    ops = KernelOps()
+
+    def fp4(*shape):  # the model's queries and keys: values of the index format
+        return ops.fp4_block_dequantize(*ops.fp4_block_quantize(torch.randn(*shape, generator=gen), 32, "ue8m0"), dtype)
+
+    q = fp4(5, n_heads, 32)
+    keys = fp4(5, 70, 32) if per_row else fp4(70, 32)
+    head_weights = torch.randn(5, n_heads, generator=gen).to(dtype)
+    ours = indexer_scores(q, keys, head_weights)
+    assert ours.dtype == torch.float32 and ours.shape == (5, 70)
+    assert_matches(ours, ops.indexer_scores(q, keys, head_weights), 1e-5)

@@ -127,6 +127,21 @@ def test_cache_stores_codes_that_decode_to_the_quantised_values() -> None:
         assert torch.equal(stored.read(OPS, index), expected)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_fp4", "bf16"])
+def test_paged_reads_equal_indexing_each_part(kv_cache_dtype) -> None:
+    """A read gathers its vectors inside the decode: the same values as indexing every part first, for the
+    reads the model makes (a ring's slots, leaving the window dim whole; entries by block and offset)."""
+    formats = kv_formats(64, 32, kv_cache_dtype)
+    gen = torch.Generator().manual_seed(6)
+    for fmt in (formats.window, formats.entry, formats.index):
+        width = 32 if fmt is formats.index else 64
+        stored = StoredTensor(fmt, (5, 4), width, torch.float32, lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+        stored.write(OPS, (torch.arange(5).repeat_interleave(4), torch.arange(4).repeat(5)), _random(gen, 20, width))
+        for index in ((torch.tensor([3, 0, 3]),), (torch.tensor([[4, 1], [1, 1]]), torch.tensor([[0, 3], [3, 2]]))):
+            expected = fmt.decode(OPS, tuple(part[index] for part in stored.parts), torch.float32)
+            assert torch.equal(stored.read(OPS, index), expected)
+
+
 def test_release_layout_stores_890_bytes_of_global_kv_per_token() -> None:
     config = parse_deepseek_v41_config({"text_config": {"num_hidden_layers": 40}})
     # MODEL_SPEC_V41 §5: 3 pooled bands x (288 + 68) / 2 + 1 unpooled band x (288 + 68)

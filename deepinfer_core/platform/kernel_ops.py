@@ -693,8 +693,16 @@ class KernelOps:
         values = (blocks / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
         return values.flatten(-2), (exponent + 127).to(torch.uint8)
 
-    def fp8_block_dequantize(self, values: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Inverse of `fp8_block_quantize`: values * 2^(exponents - 127) per block, as `dtype`. Exact."""
+    def fp8_block_dequantize(
+        self, values: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Inverse of `fp8_block_quantize`: values * 2^(exponents - 127) per block, as `dtype`. Exact.
+
+        With `rows` (int64, any shape), only those vectors of the parts flattened over their leading dims
+        (a paged cache read): returns [*rows.shape, d].
+        """
+        if rows is not None:
+            values, exponents = _vectors(values, rows), _vectors(exponents, rows)
         block = values.shape[-1] // exponents.shape[-1]
         scale = torch.exp2(exponents.float() - 127.0).unsqueeze(-1)
         return (values.float().unflatten(-1, (-1, block)) * scale).flatten(-2).to(dtype)
@@ -705,7 +713,7 @@ class KernelOps:
         """V4.1 fp4 formats: e2m1 codes, one scale per `block` channels.
 
         x [..., d] float (d % block == 0, d even). scale_format "e4m3" (compressed KV, block 16):
-        s = e4m3(max(amax, 6*2^-9) / 6), round to nearest. "ue8m0" (indexer q/k, block 32):
+        s = e4m3(min(max(amax, 6*2^-9) / 6, 448)), round to nearest. "ue8m0" (indexer q/k, block 32):
         s = 2^ceil(log2(max(amax, 6*2^-126) * fp32(1/6))). codes = e2m1(clamp(x/s, +-6)): |q| against
         0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0; a tie at 0.25, 1.25, 2.5, 5.0 rounds down, at 0.75, 1.75,
         3.5 up (even code); sign bit (code bit 3) from signbit. Returns (codes uint8 [..., d/2] packed,
@@ -714,7 +722,9 @@ class KernelOps:
         blocks = x.float().unflatten(-1, (-1, block))
         amax = blocks.abs().amax(-1)
         if scale_format == "e4m3":
-            scales = (amax.clamp_min(6.0 * 2.0**-9) / 6.0).to(torch.float8_e4m3fn)
+            # clamped at e4m3's 448 (a block of amax past 2,688): torch's float8 cast saturates on the CPU, on
+            # CUDA it gives NaN, a scale that would void the block
+            scales = (amax.clamp_min(6.0 * 2.0**-9) / 6.0).clamp_max(448.0).to(torch.float8_e4m3fn)
             scale = scales.float()
         elif scale_format == "ue8m0":
             exponent = _ceil_log2(amax.clamp_min(6.0 * 2.0**-126) * (1.0 / 6.0))
@@ -726,8 +736,13 @@ class KernelOps:
         codes = (codes | (torch.signbit(q).to(torch.uint8) << 3)).flatten(-2)
         return codes[..., 0::2] | (codes[..., 1::2] << 4), scales
 
-    def fp4_block_dequantize(self, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Inverse of `fp4_block_quantize` (scale format read from scales.dtype), as `dtype`. Exact."""
+    def fp4_block_dequantize(
+        self, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Inverse of `fp4_block_quantize` (scale format read from scales.dtype), as `dtype`. Exact. `rows` as
+        in `fp8_block_dequantize`."""
+        if rows is not None:
+            packed, scales = _vectors(packed, rows), _vectors(scales, rows)
         codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()
         values = _e2m1_values(packed.device)[codes]
         if scales.dtype == torch.uint8:
@@ -750,6 +765,11 @@ def _dequantized(
 
         return dequantize_fp4(weight, scale, dtype)
     return weight.to(dtype)
+
+
+def _vectors(parts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Vectors `rows` of `parts` [..., w] flattened over its leading dims: [*rows.shape, w]."""
+    return parts.reshape(-1, parts.shape[-1])[rows]
 
 
 def _sequences(batch: ForwardBatch) -> Iterator[tuple[int, int, int]]:

@@ -451,6 +451,14 @@ def _v41_fp4_dequant_inputs(gen, dt, block, scale_format):
     return (packed, scales, dt), {}
 
 
+def _v41_paged_read_inputs(gen, dt, fmt):
+    """A paged cache read: parts [blocks, per_block, ...] of quantised vectors, rows [S, n] into them
+    (repeats included, as for entries several layers pick)."""
+    x = torch.cat([_v41_quant_input(gen, torch.float32) for _ in range(3)]).view(3, 5, 64)
+    parts = (KernelOps().fp8_block_quantize(x) if fmt == "fp8" else KernelOps().fp4_block_quantize(x, 16, "e4m3"))
+    return (*parts, dt), {"rows": torch.randint(0, 15, (4, 7), generator=gen)}
+
+
 OP_CASES += [
     OpCase("hc_mix", "sinkhorn_eps_1e-20", _v41_hc_mix_inputs, rtol=_TOL_RTOL, atol=_TOL_ATOL),
     OpCase(
@@ -497,4 +505,6 @@ OP_CASES += [
     OpCase("fp4_block_quantize", "ue8m0_block32", lambda g, dt: ((_v41_quant_input(g, dt), 32, "ue8m0"), {})),
     OpCase("fp4_block_dequantize", "e4m3_block16", lambda g, dt: _v41_fp4_dequant_inputs(g, dt, 16, "e4m3")),
     OpCase("fp4_block_dequantize", "ue8m0_block32", lambda g, dt: _v41_fp4_dequant_inputs(g, dt, 32, "ue8m0")),
+    OpCase("fp8_block_dequantize", "paged_rows", lambda g, dt: _v41_paged_read_inputs(g, dt, "fp8")),
+    OpCase("fp4_block_dequantize", "paged_rows", lambda g, dt: _v41_paged_read_inputs(g, dt, "fp4")),
 ]

@@ -36,8 +36,8 @@ class TritonOps(KernelOps):
 
     def __init__(self) -> None:
         from deepinfer_kernels import (
-            cache_writes, compress_kv, fp4_decode, fused_moe, hyper_connection, indexer, linear, rms_norm, rope, routing,
-            row_gather, sparse_attention,
+            cache_writes, compress_kv, fused_moe, hyper_connection, indexer, indexer_scores, kv_codes, linear, rms_norm,
+            rope, routing, row_gather, sparse_attention,
         )
 
         self._rms_norm = rms_norm.rms_norm
@@ -65,7 +65,9 @@ class TritonOps(KernelOps):
         self._gather_rows = row_gather.gather_rows
         self._compress_kv = compress_kv.compress_kv
         self._compress_supported = compress_kv.compress_supported
-        self._fp4_block_dequantize = fp4_decode.fp4_block_dequantize
+        self._kv_codes = kv_codes
+        self._indexer_scores = indexer_scores.indexer_scores
+        self._indexer_scores_supported = indexer_scores.indexer_scores_supported
 
     @staticmethod
     @functools.cache
@@ -268,11 +270,39 @@ class TritonOps(KernelOps):
             return super().indexer_topk(q, head_weights, index_keys, ratio, topk, batch)
         return self._indexer_topk(q, head_weights, index_keys, ratio, topk, batch, self.batch_invariant)
 
+    def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+        # Fallback: the batch-invariant mode (the reference's row tiles reduce each row alone), index head dims
+        # that are not powers of two >= 16, queries and keys of different dtypes.
+        if self.batch_invariant or not self._indexer_scores_supported(q, keys):
+            return super().indexer_scores(q, keys, head_weights)
+        return self._indexer_scores(q, keys, head_weights)
+
     def store_window(self, kv: torch.Tensor, window: torch.Tensor, batch: ForwardBatch) -> None:
         self._store_window(kv, window, batch)
 
-    def fp4_block_dequantize(self, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self._fp4_block_dequantize(packed, scales, dtype)
+    # Fallback of the V4.1 KV codes: blocks that are not powers of two dividing the width.
+    def fp8_block_quantize(self, x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._kv_codes.codes_supported(x.shape[-1], block):
+            return super().fp8_block_quantize(x, block)
+        return self._kv_codes.fp8_block_quantize(x, block)
+
+    def fp8_block_dequantize(
+        self, values: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        n_scales = exponents.shape[-1]
+        if not n_scales or not self._kv_codes.codes_supported(values.shape[-1], values.shape[-1] // n_scales):
+            return super().fp8_block_dequantize(values, exponents, dtype, rows)
+        return self._kv_codes.fp8_block_dequantize(values, exponents, dtype, rows)
+
+    def fp4_block_quantize(self, x: torch.Tensor, block: int, scale_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if scale_format not in ("e4m3", "ue8m0") or not self._kv_codes.codes_supported(x.shape[-1], block):
+            return super().fp4_block_quantize(x, block, scale_format)  # the reference names a bad format
+        return self._kv_codes.fp4_block_quantize(x, block, scale_format)
+
+    def fp4_block_dequantize(
+        self, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self._kv_codes.fp4_block_dequantize(packed, scales, dtype, rows)
 
     def gather_rows(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # Zero-copy from host memory: the ids never come back to the host, so the step does not wait.

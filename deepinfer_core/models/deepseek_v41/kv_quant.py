@@ -14,6 +14,7 @@ stores the codes (`StoredTensor`); decoding them gives back exactly those values
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -57,12 +58,16 @@ class KvFormat:
             return ops.fp8_block_quantize(x, self.block)
         return ops.fp4_block_quantize(x, self.block, self.scale_format)
 
-    def decode(self, ops: KernelOps, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    def decode(
+        self, ops: KernelOps, parts: tuple[torch.Tensor, ...], dtype: torch.dtype, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The vectors' values; with `rows`, only those vectors of the parts flattened over their leading dims."""
         if self.kind == "raw":
-            return parts[0].to(dtype)
+            vectors = parts[0] if rows is None else parts[0].reshape(-1, parts[0].shape[-1])[rows]
+            return vectors.to(dtype)
         if self.kind == "fp8":
-            return ops.fp8_block_dequantize(*parts, dtype)
-        return ops.fp4_block_dequantize(*parts, dtype)
+            return ops.fp8_block_dequantize(*parts, dtype, rows=rows)
+        return ops.fp4_block_dequantize(*parts, dtype, rows=rows)
 
 
 RAW = KvFormat("raw")
@@ -121,8 +126,23 @@ class StoredTensor:
         self.parts = tuple(allocate((*leading, n), d) for n, d in fmt.part_specs(width, dtype))
 
     def read(self, ops: KernelOps, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Decoded values at `index` (advanced indexing over the leading dims)."""
-        return self.fmt.decode(ops, tuple(part[index] for part in self.parts), self.dtype)
+        """Decoded values at `index` (advanced indexing over the leading dims), read where they lie: the
+        decode gathers the vectors itself (a paged read's gather of each part first cost one slow torch
+        index kernel a part, and a copy)."""
+        return self.fmt.decode(ops, self.parts, self.dtype, rows=self._rows(index))
+
+    def _rows(self, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The flat vector ids that `part[index]` would read, in its result's shape (minus the width)."""
+        leading = self.parts[0].shape[:-1]
+        rows = None
+        for dim, ids in enumerate(index):
+            stride = math.prod(leading[dim + 1:])
+            term = ids if stride == 1 else ids * stride
+            rows = term if rows is None else rows + term
+        rest = leading[len(index):]
+        if rest:  # dims the index leaves whole come after the indexed ones, in order
+            rows = (rows.unsqueeze(-1) + torch.arange(math.prod(rest), device=rows.device)).view(*rows.shape, *rest)
+        return rows
 
     def write(self, ops: KernelOps, index: tuple[torch.Tensor, ...], values: torch.Tensor) -> None:
         for part, encoded in zip(self.parts, self.fmt.encode(ops, values)):
