@@ -6,9 +6,10 @@ entries, the indexer's keys and queries, and their reads. Here one launch reads 
 
 Every conversion is written on the bits, for the same result in the interpreter, on sm_90 and on SM100:
 float32 to e4m3 rounds to nearest even and saturates at 448 (Triton's own float8 cast differs in the
-interpreter; the reference clamps e4m3 scales at 448 first, as torch's cast saturates on the CPU and not on CUDA), e4m3 and e2m1 decode from their fields, powers of two from exponent bits.
-The divisions by an e4m3 scale are IEEE (`div_rn`), as torch's; by a power of two they are exact. So the
-codes and values equal the reference's bit for bit.
+interpreter; the reference clamps e4m3 scales at 448 first, as torch's cast saturates on the CPU and not on
+CUDA), e4m3 and e2m1 decode from their fields, powers of two from exponent bits. The divisions by an e4m3
+scale are IEEE (`div_rn`), as torch's; by a power of two they are exact. So the codes and values equal the
+reference's bit for bit.
 """
 
 from __future__ import annotations
@@ -118,8 +119,7 @@ def _fp8_encode_kernel(
     q = tl.clamp(blocks * _pow2(-exponent)[:, :, None], -448.0, 448.0)  # x / 2^e, exact
     codes = tl.reshape(_e4m3_code(q), (ROWS, N_BLOCKS * BLOCK))
     col = tl.arange(0, N_BLOCKS * BLOCK)
-    tl.store(codes_ptr + row64 * width + col[None, :], codes.to(tl.uint8),
-             mask=tl.reshape(tl.broadcast_to(block_ok[:, :, None], (ROWS, N_BLOCKS, BLOCK)), (ROWS, N_BLOCKS * BLOCK)))
+    tl.store(codes_ptr + row64 * width + col[None, :], codes.to(tl.uint8), mask=(row64 < rows) & (col[None, :] < width))
     n_scales = width // BLOCK
     tl.store(exponents_ptr + row64 * n_scales + tl.arange(0, N_BLOCKS)[None, :], (exponent + 127).to(tl.uint8),
              mask=block_ok)
