@@ -66,7 +66,7 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
         moe = dict(scale, FORMAT=moe_format, A8=a8, SHARED=fmt != 2, SHARED_FORMAT=moe_format,
                    SHARED_SCALE_BN=scale["SCALE_BN"], SHARED_SCALE_BK=scale["SCALE_BK"], SHARED_BLOCK_K=block_k,
                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                   HALF_TAILS=fused_moe.half_tails(block_m, False))
+                   HALF_TAILS=fused_moe.half_tails(block_m, False), PRESCALED=False)
         moe_pointers = {"x_ptr": activations, "act_ptr": "*bf16", "xs_ptr": "*fp32", "as_ptr": "*fp32",
                         "row_entry_ptr": "*i32", "block_expert_ptr": "*i32", "route_w_ptr": "*fp32", **byte_scales}
         moe_pointers.update({n: weight for n in ("w1_ptr", "w3_ptr", "sw1_ptr", "sw3_ptr", "w2_ptr", "sw2_ptr")})
@@ -76,10 +76,10 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
         yield f"moe_down[{weight[1:]}]", fused_moe._down_kernel, _types(fused_moe._down_kernel, down), moe, warps, stages
     # decode-sized fp4 steps: the fp8 shared expert in its own K loop of the same launches
     block_m, block_n, block_k, warps, stages = fused_moe.tile_config(448, 2, False)
-    moe = dict(FORMAT=fused_moe.FP4_SMALL_SCALES, SCALE_BN=1, SCALE_BK=1, IEEE=False, A8=False, SHARED=True,
+    moe = dict(FORMAT=fused_moe.fp4_kernel_format(block_m), SCALE_BN=1, SCALE_BK=1, IEEE=False, A8=False, SHARED=True,
                SHARED_FORMAT=1, SHARED_SCALE_BN=128, SHARED_SCALE_BK=128, SHARED_BLOCK_K=min(block_k, 128),
                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-               HALF_TAILS=fused_moe.half_tails(block_m, False))
+               HALF_TAILS=fused_moe.half_tails(block_m, False), PRESCALED=False)
     mixed = {"x_ptr": "*bf16", "act_ptr": "*bf16", "xs_ptr": "*fp32", "as_ptr": "*fp32", "row_entry_ptr": "*i32",
              "block_expert_ptr": "*i32", "route_w_ptr": "*fp32", **byte_scales,
              **{n: WEIGHT_TYPES[2] for n in ("w1_ptr", "w3_ptr", "w2_ptr")},

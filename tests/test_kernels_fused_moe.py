@@ -10,8 +10,8 @@ from kernel_checks import assert_matches
 
 from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
 from deepinfer_core.quantization import quantize_fp4, quantize_fp8_block
-from deepinfer_kernels.fused_moe import gate_up_register_cap, moe_routed, shared_fusable, tile_config
-from deepinfer_kernels.weight_tiles import FP4_SMALL_SCALES
+from deepinfer_kernels.fused_moe import fp4_kernel_format, moe_routed, shared_fusable, tile_config
+from deepinfer_kernels.weight_tiles import FP4_PAIR_ORDER, FP4_SMALL_SCALES
 from deepinfer_nvidia.ops import TritonOps
 
 # The reference accumulates each expert's weighted output in the compute dtype in expert order, the
@@ -173,19 +173,13 @@ def test_fp4_experts_under_fp8_activations_run_the_fp8_shared_expert_apart():
     assert_matches(out, reference.fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[torch.bfloat16])
 
 
-def test_the_register_cap_is_for_one_product_fp4_at_the_16_by_64_decode_tiles_on_sm90():
-    hopper = (9, 0)
-
-    def cap(pairs, kernel_format, batch_invariant, capability):  # for the tile fp4 takes at `pairs`
-        return gate_up_register_cap(kernel_format, tile_config(pairs, 2, batch_invariant)[:2], capability)
-
-    assert cap(112, FP4_SMALL_SCALES, False, hopper) == {"maxnreg": 128}
-    assert cap(7, FP4_SMALL_SCALES, False, hopper) == {}  # the 16 x 32 tiles of a token or two
-    assert cap(112, 2, False, hopper) == cap(112, 1, False, hopper) == {}
-    assert cap(112, FP4_SMALL_SCALES, True, hopper) == {}
-    assert cap(9000, FP4_SMALL_SCALES, False, hopper) == {}
-    assert cap(112, FP4_SMALL_SCALES, False, (10, 0)) == {}
-    assert cap(112, FP4_SMALL_SCALES, False, None) == {}
+def test_fp4_decode_tiles_take_the_weights_in_pair_order_and_the_others_keep_column_order():
+    """Decode-sized steps put the fp4 weights on the MMA's tall side in pair order; prefill tiles and
+    batch-invariant mode (one tile for every step size, its results unchanged) keep the float32 decode."""
+    for pairs in (7, 112, 448):
+        assert fp4_kernel_format(tile_config(pairs, 2, False)[0]) == FP4_PAIR_ORDER
+    assert fp4_kernel_format(tile_config(9000, 2, False)[0]) == FP4_SMALL_SCALES
+    assert fp4_kernel_format(tile_config(7, 2, True)[0]) == FP4_SMALL_SCALES
 
 
 def test_experts_not_held_contribute_nothing():

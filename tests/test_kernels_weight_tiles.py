@@ -12,7 +12,7 @@ import triton.language as tl
 
 from deepinfer_core.quantization import dequantize_fp4, dequantize_fp8_block, quantize_fp8_block
 from deepinfer_kernels.weight_tiles import (
-    FP4_SMALL_SCALES, FP8_SCALED_TILES, as_kernel_weight, fp4_scales_small, fp8_tiles, load_weight_tile,
+    FP4_PAIR_ORDER, FP4_SMALL_SCALES, FP8_SCALED_TILES, as_kernel_weight, fp4_scales_small, fp8_tiles, load_weight_tile,
 )
 
 ROWS, COLS = 16, 64
@@ -49,11 +49,14 @@ def _decoded(packed: torch.Tensor, scale: torch.Tensor, fmt: int, dtype: torch.d
 @pytest.mark.parametrize(("fmt", "scale_bytes"), [
     (2, [0, 1, 90, 127, 128, 129, 200, 250]),  # any scale: two products
     (FP4_SMALL_SCALES, [0, 1, 90, 126, 127, 128]),  # scales <= 2: one product
+    (FP4_PAIR_ORDER, [0, 1, 90, 126, 127, 128]),  # the same, its columns in pair order
 ])
 def test_every_code_and_scale_decodes_exactly(dtype, fmt, scale_bytes):
     packed, scale = _every_code(scale_bytes)
-    assert fp4_scales_small(scale) == (fmt == FP4_SMALL_SCALES)
+    assert fp4_scales_small(scale) == (fmt != 2)
     expected = dequantize_fp4(packed, scale, dtype)
+    if fmt == FP4_PAIR_ORDER:  # within each 8 columns: 0, 4, 1, 5, 2, 6, 3, 7
+        expected = expected.view(ROWS, COLS // 8, 2, 4).transpose(2, 3).reshape(ROWS, COLS)
     assert torch.equal(_decoded(packed, scale, fmt, dtype).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                        expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
 

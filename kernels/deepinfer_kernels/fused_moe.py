@@ -13,11 +13,12 @@ row blocks take a K loop of their own format in the same launches. With
 `fp8_activations`, fp8 experts meet x and the activation quantised to fp8 (`activation_quant`: x once per
 token before launch 1, the activation between the launches), as in `linear`. `prescaled` (DeepSeek-V4.1)
 moves the routing weight from w2's output into launch 1's epilogue: it scales the activation before w2.
+fp4 experts at decode sizes decode their weights in inline PTX in pair order and put them on the MMA's tall
+side, x's few rows on its narrow side (`fp4_kernel_format`, `_tile_dot`).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -29,11 +30,12 @@ from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, q
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 from deepinfer_kernels.moe_plan import moe_plan
 from deepinfer_kernels.weight_tiles import (
-    FP4_SMALL_SCALES, as_kernel_weight, e8m0_to_float, fp4_scales_small, fp8_tiles, load_weight_tile, weight_format,
+    FP4_PAIR_ORDER, FP4_SMALL_SCALES, as_kernel_weight, e8m0_to_float, fp4_scales_small, fp8_tiles, load_weight_tile,
+    pair_order, weight_format,
 )
 
 __all__ = [
-    "StackedExperts", "gate_up_register_cap", "half_tails", "moe_routed", "moe_supported", "shared_fusable",
+    "StackedExperts", "fp4_kernel_format", "half_tails", "moe_routed", "moe_supported", "shared_fusable",
     "step_pairs", "tile_config",
 ]
 
@@ -69,36 +71,59 @@ def _gate_up_sums(
     x_ptr, xs_ptr, token, entry, w1, w3, s1, s3, offs_n, pid_n, N, K, stride_xm, stride_xsm, stride_wn, stride_sn,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
+    WEIGHT_ROWS: tl.constexpr,
 ):
-    """(w1 x, w3 x) [BLOCK_M, BLOCK_N] in float32 for one expert's weights in FORMAT."""
+    """(w1 x, w3 x) [BLOCK_M, BLOCK_N] in float32 for one expert's weights in FORMAT (`_tile_dot` for
+    WEIGHT_ROWS)."""
     compute = x_ptr.dtype.element_ty  # fp8 codes with A8 (xs_ptr: their per-token, per-K-tile scales)
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    gate = _dot_zeros(BLOCK_M, BLOCK_N, WEIGHT_ROWS)
+    up = _dot_zeros(BLOCK_M, BLOCK_N, WEIGHT_ROWS)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + token[:, None] * stride_xm + offs_k[None, :],
                     mask=(entry[:, None] >= 0) & (offs_k[None, :] < K), other=0.0)
+        if FORMAT == 5:  # FP4_PAIR_ORDER weight tiles: x in their column order
+            x = pair_order(x)
         g_tile = load_weight_tile(w1, s1, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K, SCALE_BN,
                                   SCALE_BK)
         u_tile = load_weight_tile(w3, s3, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K, SCALE_BN,
                                   SCALE_BK)
-        if A8:
+        g_part = _tile_dot(x, g_tile, IEEE, WEIGHT_ROWS)
+        u_part = _tile_dot(x, u_tile, IEEE, WEIGHT_ROWS)
+        if A8:  # (never with WEIGHT_ROWS)
             x_scale = tl.load(xs_ptr + token * stride_xsm + k0 // BLOCK_K)[:, None]
-            g_part = tl.dot(x, tl.trans(g_tile)) * x_scale
-            u_part = tl.dot(x, tl.trans(u_tile)) * x_scale
-        elif IEEE:
-            g_part = tl.dot(x, tl.trans(g_tile), input_precision="ieee")
-            u_part = tl.dot(x, tl.trans(u_tile), input_precision="ieee")
-        else:
-            g_part = tl.dot(x, tl.trans(g_tile))
-            u_part = tl.dot(x, tl.trans(u_tile))
+            g_part = g_part * x_scale
+            u_part = u_part * x_scale
         if FORMAT == 1:
             scale_at = (pid_n * BLOCK_N // SCALE_BN) * stride_sn + k0 // SCALE_BK
             g_part = g_part * e8m0_to_float(tl.load(s1 + scale_at))
             u_part = u_part * e8m0_to_float(tl.load(s3 + scale_at))
         gate += g_part
         up += u_part
+    if WEIGHT_ROWS:
+        gate, up = tl.trans(gate), tl.trans(up)
     return gate, up
+
+
+@triton.jit
+def _dot_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WEIGHT_ROWS: tl.constexpr):
+    if WEIGHT_ROWS:
+        zeros = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return zeros
+
+
+@triton.jit
+def _tile_dot(x, w, IEEE: tl.constexpr, WEIGHT_ROWS: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K]^T in float32; WEIGHT_ROWS (fp4 experts' decode-sized
+    launches): its transpose w x^T [BLOCK_N, BLOCK_M], so that the weights, decoded in registers, are the
+    MMA's register operand on its tall side and the few rows of x (8) its narrow side. The other way round
+    (x's rows padded to 16 on the tall side), every MMA's x fragment was gathered from four shared-memory
+    loads by register moves, about one per weight (`ab/sass_moe.py`, sm_90: 820 -> 435 instructions a K
+    step of gate and up of 32 columns x 128, with the PTX decode)."""
+    a, b = (w, x) if WEIGHT_ROWS else (x, w)
+    return tl.dot(a, tl.trans(b), input_precision="ieee" if IEEE else None)
 
 
 @triton.jit
@@ -162,15 +187,15 @@ def _gate_up_rows(
                 w1, w3, s1, s3 = sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr
         gate, up = _gate_up_sums(x_ptr, xs_ptr, token, entry, w1, w3, s1, s3, offs_n, pid_n, N, K, stride_xm,
                                  stride_xsm, stride_wn, stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, IEEE, A8)
+                                 BLOCK_K, IEEE, A8, FORMAT == 5)
     elif expert == NUM_ROUTED:  # a shared expert stored unlike the experts (fp8 beside fp4): its own loop
         gate, up = _gate_up_sums(x_ptr, xs_ptr, token, entry, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, offs_n, pid_n, N, K,
                                  stride_xm, stride_xsm, stride_swn, stride_ssn, SHARED_FORMAT, SHARED_SCALE_BN,
-                                 SHARED_SCALE_BK, BLOCK_M, BLOCK_N, SHARED_BLOCK_K, IEEE, A8)
+                                 SHARED_SCALE_BK, BLOCK_M, BLOCK_N, SHARED_BLOCK_K, IEEE, A8, False)
     else:
         gate, up = _gate_up_sums(x_ptr, xs_ptr, token, entry, w1, w3, s1, s3, offs_n, pid_n, N, K, stride_xm,
                                  stride_xsm, stride_wn, stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, IEEE, A8)
+                                 BLOCK_K, IEEE, A8, FORMAT == 5)
     # The reference rounds each projection, silu(gate) and the product to the activation dtype (with fp8
     # activations the next launch quantises this very value, so matching its rounding matters). Prescaled,
     # it keeps silu(gate) * up * weight in float32 and rounds once.
@@ -200,19 +225,19 @@ def _down_sums(
     act_ptr, as_ptr, offs_m, w2, s2, offs_n, pid_n, N, K, stride_am, stride_asm, stride_wn, stride_sn,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
+    WEIGHT_ROWS: tl.constexpr,
 ):
-    """w2 a [BLOCK_M, BLOCK_N] in float32 for one expert's weights in FORMAT."""
+    """w2 a [BLOCK_M, BLOCK_N] in float32 for one expert's weights in FORMAT (as `_gate_up_sums`)."""
     compute = act_ptr.dtype.element_ty  # fp8 codes with A8 (as_ptr: their per-row, per-K-tile scales)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _dot_zeros(BLOCK_M, BLOCK_N, WEIGHT_ROWS)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :],
                     mask=offs_k[None, :] < K, other=0.0)
+        if FORMAT == 5:
+            a = pair_order(a)
         w = load_weight_tile(w2, s2, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K, SCALE_BN, SCALE_BK)
-        if IEEE:
-            part = tl.dot(a, tl.trans(w), input_precision="ieee")
-        else:
-            part = tl.dot(a, tl.trans(w))
+        part = _tile_dot(a, w, IEEE, WEIGHT_ROWS)
         if FORMAT == 1:
             # Powers of two: the scales multiply first (exact), then one multiply-add per element. (Done so in
             # `_gate_up_kernel`, at 255 registers, it spilled in the K loop and measured slower.)
@@ -224,6 +249,8 @@ def _down_sums(
                 acc += part * scale
         else:
             acc += part
+    if WEIGHT_ROWS:
+        acc = tl.trans(acc)
     return acc
 
 
@@ -278,14 +305,14 @@ def _down_rows(
             if expert == NUM_ROUTED:
                 w2, s2 = sw2_ptr, ss2_ptr
         acc = _down_sums(act_ptr, as_ptr, offs_m, w2, s2, offs_n, pid_n, N, K, stride_am, stride_asm, stride_wn,
-                         stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8)
+                         stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8, FORMAT == 5)
     elif expert == NUM_ROUTED:  # the shared expert stored unlike the experts: its own loop
         acc = _down_sums(act_ptr, as_ptr, offs_m, sw2_ptr, ss2_ptr, offs_n, pid_n, N, K, stride_am, stride_asm,
                          stride_swn, stride_ssn, SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, BLOCK_M, BLOCK_N,
-                         SHARED_BLOCK_K, IEEE, A8)
+                         SHARED_BLOCK_K, IEEE, A8, False)
     else:
         acc = _down_sums(act_ptr, as_ptr, offs_m, w2, s2, offs_n, pid_n, N, K, stride_am, stride_asm, stride_wn,
-                         stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8)
+                         stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8, FORMAT == 5)
     valid = entry >= 0
     y = acc.to(y_ptr.dtype.element_ty)
     if not PRESCALED:
@@ -321,39 +348,35 @@ def tile_config(pairs: int, fmt: int, batch_invariant: bool) -> tuple[int, int, 
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of both launches for `pairs` (token, expert) pairs.
 
     From `scripts/tune_moe_tiles.py` and A/Bs on an H200 (BENCHMARKS.md): tall tiles once experts get
-    hundreds of rows each, 16-row tiles while most experts get a few; fp4 at one token with its fp8 shared
-    expert fused 102 -> 93 us (both launches and the plan, replayed from a graph) with 32-column tiles of
-    128 (256 before the shared expert took its own K loop of 128). Batch-invariant mode takes one
-    configuration whatever the batch (a tile shape can change the MMA instructions, hence the order).
+    hundreds of rows each, 16-row tiles while most experts get a few. fp4 experts at decode sizes take 8
+    rows of x (the MMA's narrow side, `fp4_kernel_format`), 32 weight rows and 256 columns on 2 warps: with
+    the fp8 shared expert fused, 76 / 459 / 1,105 us at 1 / 16 / 64 tokens, against 84.5 / 665 / 1,598 for
+    the 16 x 32 / 16 x 64 tiles of 128 before the PTX decode; at 8,192 tokens 128 x 128 x 64 tiles took
+    11.6 ms against 12.4 for 128 x 64 x 64. Batch-invariant mode takes one configuration whatever the
+    batch (a tile shape can change the MMA instructions, hence the order).
     """
     if batch_invariant:
         return (64, 64, 128, 4, 3) if fmt == 1 else (64, 64, 64, 4, 3)
     if pairs >= _PREFILL_PAIRS:
-        return {0: (128, 128, 64, 8, 3), 1: (128, 128, 128, 8, 3), 2: (128, 64, 64, 8, 3)}[fmt]
-    if fmt == 2 and pairs <= 16:  # a token or two: twice the programs
-        return (16, 32, 128, 4, 3)
+        return {0: (128, 128, 64, 8, 3), 1: (128, 128, 128, 8, 3), 2: (128, 128, 64, 8, 3)}[fmt]
+    if fmt == 2:
+        return (8, 32, 256, 2, 3)
     return (16, 64, 128, 4, 3)
+
+
+def fp4_kernel_format(block_m: int) -> int:
+    """The FORMAT of fp4 experts whose scales are all at most 2 in tiles of block_m rows: decode-sized tiles
+    (16 rows or fewer) put the weights on the MMA's tall side in pair order (FP4_PAIR_ORDER); taller ones
+    keep x there and decode in float32 (FP4_SMALL_SCALES)."""
+    return FP4_PAIR_ORDER if block_m <= 16 else FP4_SMALL_SCALES
 
 
 def half_tails(block_m: int, batch_invariant: bool) -> bool:
     """Whether a row block that is half padding or more (an expert run's last) runs as half a tile. At
     8,192 tokens of 256 experts, top-6, an expert's run ends in a partial 128-row block, on average half
     empty: a fifth of the MMA rows were padding. Not in batch-invariant mode (a row's tile shape would
-    depend on its batch) nor with decode tiles (16 rows: too few to halve)."""
+    depend on its batch) nor with decode tiles (8 or 16 rows: too few to halve)."""
     return block_m >= 128 and not batch_invariant
-
-
-def gate_up_register_cap(
-    kernel_format: int, tile: tuple[int, int], capability: tuple[int, int] | None,
-) -> dict[str, int]:
-    """Launch options capping launch 1's registers for its (BLOCK_M, BLOCK_N) `tile`: one-product fp4
-    (`FP4_SMALL_SCALES`) at the 16 x 64 decode tiles on sm_90, where the fp8 shared expert's loop takes it to
-    142 registers (three programs a multiprocessor); at 128 (four, no spill) 690 -> 664 us at 16 tokens and
-    1,744 -> 1,682 us at 64 on an H200 (BENCHMARKS.md). The two-product decode already sits at 128 and would
-    spill more; on sm_100 the cap spills 8 bytes (ptxas), and nothing was measured there. capability: the
-    device's, None off CUDA."""
-    hopper = capability is not None and capability[0] == 9
-    return {"maxnreg": 128} if kernel_format == FP4_SMALL_SCALES and tile == (16, 64) and hopper else {}
 
 
 def moe_supported(experts: StackedExperts, fp8_activations: bool) -> bool:
@@ -402,11 +425,6 @@ def _same_layout(experts: StackedExperts, shared: MlpWeights) -> bool:
     return shared.block == experts.block
 
 
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int] | None:
-    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-
-
 def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     if scale is None:
         return weight, 0, 0
@@ -442,8 +460,8 @@ def moe_routed(
     shared_fmt = weight_format(shared.w1) if fused else fmt
     # A fused fp4 shared expert's scales are not checked (the released fp4 checkpoints keep it in fp8).
     small = fmt == 2 and experts.fp4_small_scales and shared_fmt != 2
-    kernel_format = FP4_SMALL_SCALES if small else fmt
     block_m, block_n, block_k, warps, stages = tile_config(tokens * slots, fmt, batch_invariant)
+    kernel_format = fp4_kernel_format(block_m) if small else fmt
     a8 = fp8_activations and fmt == 1
     if fmt == 1:  # tiles inside one scale block; with fp8 activations a K tile is exactly one block
         block_n = min(block_n, experts.block[0])
@@ -487,7 +505,6 @@ def moe_routed(
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, **shared_args,
         num_warps=warps, num_stages=stages, **launch_options(x.device),
-        **gate_up_register_cap(kernel_format, (block_m, block_n), _capability(x.device)),
     )
     held_all = bool(experts.num_held == experts.local_ids.shape[0])
     alloc = torch.empty if held_all else torch.zeros

@@ -12,9 +12,12 @@ Formats (MODEL_SPEC §8, `deepinfer_core.quantization`), the kernels' FORMAT con
   scales are all at most 2 (`fp4_scales_small`, every real checkpoint's): one product per weight, 10-12%
   faster at decode sizes. The kernels read the codes as int32 words (eight codes) and decode two codes
   per integer op into float32 bits (`e2m1_words_as_float`): no lookup table, no sm_90-only instruction, so
-  the same code runs on SM100. Triton's `tl.dot_scaled` (the native fp4 MMA on SM100) was measured on the
-  H200: as fast at decode sizes, 1.6x slower at prefill, and the CPU interpreter the tests run through
-  lacks it (BENCHMARKS.md).
+  the same code runs on SM100. FP4_PAIR_ORDER (5): the same codes as FP4_SMALL_SCALES, decoded in inline
+  PTX two codes per instruction all the way to bfloat16 (`_fp4_pair_tile`, 17 instructions for eight
+  weights) into a tile whose columns come in pair order (`pair_order`); the caller puts its activations in
+  the same order (the MoE's decode-sized launches). Triton's `tl.dot_scaled` (the native fp4 MMA on SM100)
+  was measured on the H200: as fast at decode sizes, 1.6x slower at prefill, and the CPU interpreter the
+  tests run through lacks it (BENCHMARKS.md).
 
 Scales arrive as raw uint8 e8m0 bytes (value 2^(byte - 127)).
 """
@@ -26,12 +29,13 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "FP4_SMALL_SCALES", "FP8_SCALED_TILES", "as_kernel_weight", "e2m1_words_as_float", "e8m0_to_float", "fp4_scales_small",
-    "fp8_tiles", "load_weight_tile", "weight_format",
+    "FP4_PAIR_ORDER", "FP4_SMALL_SCALES", "FP8_SCALED_TILES", "as_kernel_weight", "e2m1_words_as_float",
+    "e8m0_to_float", "fp4_scales_small", "fp8_tiles", "load_weight_tile", "pair_order", "weight_format",
 ]
 
 FP4_SMALL_SCALES = 3
 FP8_SCALED_TILES = 4
+FP4_PAIR_ORDER = 5
 
 
 def weight_format(weight: torch.Tensor) -> int:
@@ -96,6 +100,59 @@ def e2m1_words_as_float(words):
 
 
 @triton.jit
+def pair_order(tile):
+    """The columns of a [R, C] tile (C a multiple of 8) in pair order: within each 8, columns 0, 4, 1, 5, 2, 6,
+    3, 7. An FP4_PAIR_ORDER weight tile comes so, as one integer op decodes codes k and k + 4 of a word into
+    the two halves of one register, which the MMA then takes as neighbours; the activations, put in the
+    same order, leave the dot product unchanged and cost a byte permute per two of them, not per two
+    weights (the MMA's other operand is the weights' 8 or 16 rows: many weights per activation)."""
+    rows: tl.constexpr = tile.shape[0]
+    cols: tl.constexpr = tile.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(tile, [rows, cols // 8, 2, 4]), (0, 1, 3, 2)), [rows, cols])
+
+
+# Inline PTX for FP4_PAIR_ORDER; Triton's interpreter runs no PTX, so there the float32 decode computes
+# the very same tile (each step is exact either way) and `pair_order` reorders it.
+_PTX_DECODE = tl.constexpr(not triton.knobs.runtime.interpret)
+
+# One int32 word of eight codes ($8) and a bfloat16x2 scale ($9) -> the eight weights as bfloat16 bits
+# ($0..$7) in pair order. Pair i (codes i, i + 4: nibbles 4 * i and 4 * i + 16, of w or of w >> 8) is
+# masked, multiplied so that each nibble's magnitude lands on bits 6..8 of its half (bfloat16's exponent's
+# two lowest bits and mantissa's top bit) and its sign on bit 15 (the two copies never overlap nor
+# carry), and masked again: the bfloat16 of the code's value * 2^-126 (the exponent-0 codes as
+# subnormals, as in `e2m1_words_as_float`). One bfloat16x2 product by 2^126 * scale (at most 2^127: finite;
+# subnormal inputs are kept) then gives both weights exactly. 17 instructions for eight weights.
+_FP4_PAIR_PTX = tl.constexpr("""{
+.reg .b32 v, h, p0, p1, p2, p3;
+shr.u32 h, $8, 8;
+and.b32 v, $8, 0x000F000F; mul.lo.u32 v, v, 0x1040; and.b32 p0, v, 0x81C081C0;
+and.b32 v, $8, 0x00F000F0; mul.lo.u32 v, v, 0x104; and.b32 p1, v, 0x81C081C0;
+and.b32 v, h, 0x000F000F; mul.lo.u32 v, v, 0x1040; and.b32 p2, v, 0x81C081C0;
+and.b32 v, h, 0x00F000F0; mul.lo.u32 v, v, 0x104; and.b32 p3, v, 0x81C081C0;
+mul.rn.bf16x2 p0, p0, $9; mul.rn.bf16x2 p1, p1, $9; mul.rn.bf16x2 p2, p2, $9; mul.rn.bf16x2 p3, p3, $9;
+mov.b32 {$0, $1}, p0; mov.b32 {$2, $3}, p1; mov.b32 {$4, $5}, p2; mov.b32 {$6, $7}, p3;
+}""")
+
+
+@triton.jit
+def _fp4_pair_tile(words, scale_bytes):
+    """[R, W] int32 words of eight e2m1 codes and [R, W // 4] e8m0 scale bytes (each at most 128) as the
+    bfloat16 tile [R, W * 8] of the codes' values times their group's scale, in pair order."""
+    rows: tl.constexpr = words.shape[0]
+    groups: tl.constexpr = words.shape[1] // 4
+    scale_bits = (scale_bytes + 126) << 7  # bfloat16 bits of 2^126 * 2^(byte - 127)
+    c = tl.inline_asm_elementwise(
+        _FP4_PAIR_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+        [tl.reshape(words, [rows, groups, 4]), (scale_bits | (scale_bits << 16))[:, :, None]],
+        dtype=(tl.int16,) * 8, is_pure=True, pack=1,
+    )
+    w = [v.to(tl.bfloat16, bitcast=True) for v in c]  # pair order: codes 0, 4, 1, 5, 2, 6, 3, 7
+    first = tl.permute(tl.join(tl.join(w[0], w[1]), tl.join(w[2], w[3])), (0, 1, 2, 4, 3))
+    second = tl.permute(tl.join(tl.join(w[4], w[5]), tl.join(w[6], w[7])), (0, 1, 2, 4, 3))
+    return tl.reshape(tl.permute(tl.join(first, second), (0, 1, 2, 5, 3, 4)), [rows, groups * 32])
+
+
+@triton.jit
 def load_weight_tile(
     w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
@@ -103,7 +160,8 @@ def load_weight_tile(
     """[BLOCK_N, BLOCK_K] tile of W (rows offs_n, columns k0..k0+BLOCK_K) in the COMPUTE dtype; FP8 unscaled,
     FP8_SCALED_TILES scaled by its (SCALE_BN x SCALE_BK) blocks.
 
-    FP4 tiles (BLOCK_K a multiple of 32, k0 too) load their words and scales once each, as contiguous rows.
+    FP4 tiles (BLOCK_K a multiple of 32, k0 too) load their words and scales once each, as contiguous rows;
+    FP4_PAIR_ORDER tiles come in pair order (`pair_order`).
     """
     rows = offs_n[:, None].to(tl.int64)
     if FORMAT == 4:  # FP8_SCALED_TILES: a scale per row and K block, spread over the block's columns
@@ -125,12 +183,17 @@ def load_weight_tile(
         groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         scale_bytes = tl.load(s_ptr + rows * stride_sn + groups[None, :],
                               mask=(offs_n[:, None] < N) & (groups[None, :] < K // 32), other=127).to(tl.int32)
+        if FORMAT == 5 and _PTX_DECODE:
+            return _fp4_pair_tile(packed, scale_bytes).to(COMPUTE)
         values = e2m1_words_as_float(packed)
-        if FORMAT == 3:  # FP4_SMALL_SCALES: 2^126 * 2^(byte - 127) = 2^(byte - 1) is a float32, one product
-            tile = values * ((scale_bytes + 126) << 23).to(tl.float32, bitcast=True)[:, :, None]
-        else:  # any byte: 2^126 first (exact), then the scale
+        if FORMAT == 2:  # any byte: 2^126 first (exact), then the scale
             tile = values * 8.507059173023462e37 * e8m0_to_float(scale_bytes)[:, :, None]
-        return tl.reshape(tile, [offs_n.shape[0], BLOCK_K]).to(COMPUTE)
+        else:  # scales <= 2: 2^126 * 2^(byte - 127) = 2^(byte - 1) is a float32, one product
+            tile = values * ((scale_bytes + 126) << 23).to(tl.float32, bitcast=True)[:, :, None]
+        tile = tl.reshape(tile, [offs_n.shape[0], BLOCK_K])
+        if FORMAT == 5:
+            tile = pair_order(tile)
+        return tile.to(COMPUTE)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
