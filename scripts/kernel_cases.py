@@ -16,7 +16,8 @@ from bench_model import fresh_ops
 
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
-from deepinfer_core.quantization import quantize_fp4, quantize_fp8_block
+from deepinfer_core.quantization import dequantize_fp4, quantize_fp4, quantize_fp8_block
+from deepinfer_kernels.weight_tiles import FP4_PAIR_ORDER, FP4_SMALL_SCALES, decoded_weight, pair_order_columns
 
 __all__ = ["kernel_cases"]
 
@@ -64,6 +65,8 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
     for seqs, q_len, ctx in ([(3, 1, 60), (1, 30, 0)] if tiny else [(1, 1, 8192), (64, 1, 8192), (1, 4096, 0)]):
         yield Case(f"indexer_topk {'decode' if q_len == 1 else 'prefill'} S={seqs} q={q_len} ctx={ctx}",
                    partial(_indexer, ops, reference, seqs, q_len, ctx, tiny))
+    for name, fmt in (("fp4 pair order", FP4_PAIR_ORDER), ("fp4", FP4_SMALL_SCALES)):  # an expert's w1
+        yield Case(f"weight decode {name} N={inter} K={hidden}", partial(_weight_decode, fmt, inter, hidden))
     for tokens in ([1, 21] if tiny else [1, 16, 64, 8192]):
         for fmt in ("bf16", "fp8", "fp8-a8", "fp4"):
             yield Case(f"fused_moe {fmt} T={tokens} E={experts} k={top_k}",
@@ -211,6 +214,22 @@ def _indexer(ops, reference, seqs, q_len, ctx, tiny, gen, device):
     flops = 2 * batch.num_tokens * heads * dim * width
     nbytes = 2 * (seqs * width * dim + batch.num_tokens * heads * dim) + 8 * batch.num_tokens * topk
     return lambda: picked(ops), lambda: picked(reference), flops, nbytes, 2e-2, False
+
+
+def _weight_decode(fmt, n, k, gen, device):
+    """The kernels' fp4 decode (`load_weight_tile`; FP4_PAIR_ORDER's is inline PTX on a GPU) against the
+    dequantised weight, bit for bit (tolerance 0): random bytes, so every code in every nibble, and scale
+    bytes 0..128 (all those of one-product scales)."""
+    packed = torch.randint(0, 256, (n, k // 2), device=device, generator=gen).to(torch.uint8).view(torch.int8)
+    scale = torch.randint(0, 129, (n, k // 32), device=device, generator=gen).to(torch.uint8)
+    scale = scale.view(torch.float8_e8m0fnu)
+
+    def reference():
+        expected = dequantize_fp4(packed, scale, torch.bfloat16)
+        return pair_order_columns(expected) if fmt == FP4_PAIR_ORDER else expected
+
+    return (lambda: decoded_weight(packed, scale, fmt, torch.bfloat16), reference, 0, n * k // 2 + n * k // 32 + 2 * n * k,
+            0.0, False)
 
 
 def stacked_experts(num: int, hidden: int, inter: int, fmt: str, gen, device, block) -> tuple[list[MlpWeights], float]:

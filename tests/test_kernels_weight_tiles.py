@@ -7,24 +7,13 @@ import triton_interpreter  # noqa: F401  (sets TRITON_INTERPRET=1 before the ker
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from deepinfer_core.quantization import dequantize_fp4, dequantize_fp8_block, quantize_fp8_block
 from deepinfer_kernels.weight_tiles import (
-    FP4_PAIR_ORDER, FP4_SMALL_SCALES, FP8_SCALED_TILES, as_kernel_weight, fp4_scales_small, fp8_tiles, load_weight_tile,
+    FP4_PAIR_ORDER, FP4_SMALL_SCALES, FP8_SCALED_TILES, decoded_weight, fp4_scales_small, fp8_tiles, pair_order_columns,
 )
 
 ROWS, COLS = 16, 64
-
-
-@triton.jit
-def _tile_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1):
-    offs_n = tl.arange(0, BLOCK_N)
-    tile = load_weight_tile(w_ptr, s_ptr, offs_n, 0, N, K, stride_wn, stride_sn, FORMAT, out_ptr.dtype.element_ty,
-                            BLOCK_K, SCALE_BN, SCALE_BK)
-    tl.store(out_ptr + offs_n[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :], tile)
 
 
 def _every_code(scale_bytes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,13 +27,6 @@ def _every_code(scale_bytes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, groups.view(ROWS, COLS // 32).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
-def _decoded(packed: torch.Tensor, scale: torch.Tensor, fmt: int, dtype: torch.dtype) -> torch.Tensor:
-    w, s = as_kernel_weight(packed, scale)
-    out = torch.empty(ROWS, COLS, dtype=dtype)
-    _tile_kernel[(1,)](w, s, out, ROWS, COLS, w.stride(0), s.stride(0), FORMAT=fmt, BLOCK_N=ROWS, BLOCK_K=COLS)
-    return out
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("fmt", "scale_bytes"), [
     (2, [0, 1, 90, 127, 128, 129, 200, 250]),  # any scale: two products
@@ -56,8 +38,8 @@ def test_every_code_and_scale_decodes_exactly(dtype, fmt, scale_bytes):
     assert fp4_scales_small(scale) == (fmt != 2)
     expected = dequantize_fp4(packed, scale, dtype)
     if fmt == FP4_PAIR_ORDER:  # within each 8 columns: 0, 4, 1, 5, 2, 6, 3, 7
-        expected = expected.view(ROWS, COLS // 8, 2, 4).transpose(2, 3).reshape(ROWS, COLS)
-    assert torch.equal(_decoded(packed, scale, fmt, dtype).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        expected = pair_order_columns(expected)
+    assert torch.equal(decoded_weight(packed, scale, fmt, dtype, ROWS, COLS).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                        expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
 
 
@@ -70,11 +52,7 @@ def test_fp8_blocks_smaller_than_the_tile_are_scaled_exactly_in_it(dtype):
     values, scale = quantize_fp8_block(w, (8, 16))
     expected = dequantize_fp8_block(values, scale, (8, 16), dtype)
     assert fp8_tiles((8, 16), ROWS, COLS) == (FP8_SCALED_TILES, ROWS, COLS)
-    w_k, s_k = as_kernel_weight(values, scale)
-    out = torch.empty(ROWS, COLS, dtype=dtype)
-    _tile_kernel[(1,)](w_k, s_k, out, ROWS, COLS, w_k.stride(0), s_k.stride(0), FORMAT=FP8_SCALED_TILES, BLOCK_N=ROWS,
-                       BLOCK_K=COLS, SCALE_BN=8, SCALE_BK=16)
-    assert torch.equal(out, expected)
+    assert torch.equal(decoded_weight(values, scale, FP8_SCALED_TILES, dtype, ROWS, COLS, (8, 16)), expected)
 
 
 def test_fp8_tiles_keep_a_tile_inside_a_block_or_of_whole_blocks():

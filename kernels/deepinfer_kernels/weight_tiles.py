@@ -29,8 +29,9 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "FP4_PAIR_ORDER", "FP4_SMALL_SCALES", "FP8_SCALED_TILES", "as_kernel_weight", "e2m1_words_as_float",
-    "e8m0_to_float", "fp4_scales_small", "fp8_tiles", "load_weight_tile", "pair_order", "weight_format",
+    "FP4_PAIR_ORDER", "FP4_SMALL_SCALES", "FP8_SCALED_TILES", "as_kernel_weight", "decoded_weight",
+    "e2m1_words_as_float", "e8m0_to_float", "fp4_scales_small", "fp8_tiles", "load_weight_tile", "pair_order",
+    "pair_order_columns", "weight_format",
 ]
 
 FP4_SMALL_SCALES = 3
@@ -198,3 +199,37 @@ def load_weight_tile(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
         return tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(COMPUTE)
+
+
+@triton.jit
+def _decode_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    tile = load_weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, out_ptr.dtype.element_ty,
+                            BLOCK_K, SCALE_BN, SCALE_BK)
+    cols = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * K + cols[None, :], tile,
+             mask=(offs_n[:, None] < N) & (cols[None, :] < K))
+
+
+def decoded_weight(
+    weight: torch.Tensor, scale: torch.Tensor | None, fmt: int, dtype: torch.dtype, block_n: int = 16,
+    block_k: int = 128, scale_block: tuple[int, int] = (1, 1),
+) -> torch.Tensor:
+    """The [N, K] weight (packed fp4: K twice its int8 columns) as `load_weight_tile` decodes it in FORMAT `fmt`
+    into `dtype`, tile by tile: what the kernels multiply (FP8 unscaled, FP4_PAIR_ORDER in pair order). For
+    checks of the decode against the dequantised weight (`scale_block`: FP8_SCALED_TILES' scale block)."""
+    w, s = as_kernel_weight(weight, scale)
+    k = w.shape[1] * (8 if weight.dtype == torch.int8 else 1)
+    out = torch.empty(w.shape[0], k, dtype=dtype, device=w.device)
+    grid = (triton.cdiv(w.shape[0], block_n), triton.cdiv(k, block_k))
+    _decode_kernel[grid](w, s, out, w.shape[0], k, w.stride(0), s.stride(0) if scale is not None else 0, FORMAT=fmt,
+                         BLOCK_N=block_n, BLOCK_K=block_k, SCALE_BN=scale_block[0], SCALE_BK=scale_block[1])
+    return out
+
+
+def pair_order_columns(t: torch.Tensor) -> torch.Tensor:
+    """`pair_order` on the host: [R, C] with the columns of each 8 as 0, 4, 1, 5, 2, 6, 3, 7."""
+    rows, cols = t.shape
+    return t.view(rows, cols // 8, 2, 4).transpose(2, 3).reshape(rows, cols)
