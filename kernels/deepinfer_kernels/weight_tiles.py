@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
+
 __all__ = [
     "FP4_PAIR_ORDER", "FP4_SMALL_SCALES", "FP8_SCALED_TILES", "as_kernel_weight", "decoded_weight",
     "e2m1_words_as_float", "e8m0_to_float", "fp4_scales_small", "fp8_tiles", "load_weight_tile", "pair_order",
@@ -203,7 +205,8 @@ def load_weight_tile(
 
 @triton.jit
 def _decode_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+                   BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_grid(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     tile = load_weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, out_ptr.dtype.element_ty,
@@ -225,7 +228,8 @@ def decoded_weight(
     out = torch.empty(w.shape[0], k, dtype=dtype, device=w.device)
     grid = (triton.cdiv(w.shape[0], block_n), triton.cdiv(k, block_k))
     _decode_kernel[grid](w, s, out, w.shape[0], k, w.stride(0), s.stride(0) if scale is not None else 0, FORMAT=fmt,
-                         BLOCK_N=block_n, BLOCK_K=block_k, SCALE_BN=scale_block[0], SCALE_BK=scale_block[1])
+                         BLOCK_N=block_n, BLOCK_K=block_k, SCALE_BN=scale_block[0], SCALE_BK=scale_block[1],
+                         **launch_options(w.device))
     return out
 
 
