@@ -71,11 +71,10 @@ def _gate_up_sums(
     x_ptr, xs_ptr, token, entry, w1, w3, s1, s3, offs_n, pid_n, N, K, stride_xm, stride_xsm, stride_wn, stride_sn,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
-    WEIGHT_ROWS: tl.constexpr,
 ):
-    """(w1 x, w3 x) [BLOCK_M, BLOCK_N] in float32 for one expert's weights in FORMAT (`_tile_dot` for
-    WEIGHT_ROWS)."""
+    """(w1 x, w3 x) [BLOCK_M, BLOCK_N] in float32 for one expert's weights in FORMAT."""
     compute = x_ptr.dtype.element_ty  # fp8 codes with A8 (xs_ptr: their per-token, per-K-tile scales)
+    WEIGHT_ROWS: tl.constexpr = FORMAT == 5  # FP4_PAIR_ORDER: the weights on the MMA's tall side (`_tile_dot`)
     gate = _dot_zeros(BLOCK_M, BLOCK_N, WEIGHT_ROWS)
     up = _dot_zeros(BLOCK_M, BLOCK_N, WEIGHT_ROWS)
     for k0 in range(0, K, BLOCK_K):
@@ -187,15 +186,15 @@ def _gate_up_rows(
                 w1, w3, s1, s3 = sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr
         gate, up = _gate_up_sums(x_ptr, xs_ptr, token, entry, w1, w3, s1, s3, offs_n, pid_n, N, K, stride_xm,
                                  stride_xsm, stride_wn, stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, IEEE, A8, FORMAT == 5)
+                                 BLOCK_K, IEEE, A8)
     elif expert == NUM_ROUTED:  # a shared expert stored unlike the experts (fp8 beside fp4): its own loop
         gate, up = _gate_up_sums(x_ptr, xs_ptr, token, entry, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, offs_n, pid_n, N, K,
                                  stride_xm, stride_xsm, stride_swn, stride_ssn, SHARED_FORMAT, SHARED_SCALE_BN,
-                                 SHARED_SCALE_BK, BLOCK_M, BLOCK_N, SHARED_BLOCK_K, IEEE, A8, False)
+                                 SHARED_SCALE_BK, BLOCK_M, BLOCK_N, SHARED_BLOCK_K, IEEE, A8)
     else:
         gate, up = _gate_up_sums(x_ptr, xs_ptr, token, entry, w1, w3, s1, s3, offs_n, pid_n, N, K, stride_xm,
                                  stride_xsm, stride_wn, stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, IEEE, A8, FORMAT == 5)
+                                 BLOCK_K, IEEE, A8)
     # The reference rounds each projection, silu(gate) and the product to the activation dtype (with fp8
     # activations the next launch quantises this very value, so matching its rounding matters). Prescaled,
     # it keeps silu(gate) * up * weight in float32 and rounds once.
@@ -225,10 +224,10 @@ def _down_sums(
     act_ptr, as_ptr, offs_m, w2, s2, offs_n, pid_n, N, K, stride_am, stride_asm, stride_wn, stride_sn,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
-    WEIGHT_ROWS: tl.constexpr,
 ):
     """w2 a [BLOCK_M, BLOCK_N] in float32 for one expert's weights in FORMAT (as `_gate_up_sums`)."""
     compute = act_ptr.dtype.element_ty  # fp8 codes with A8 (as_ptr: their per-row, per-K-tile scales)
+    WEIGHT_ROWS: tl.constexpr = FORMAT == 5
     acc = _dot_zeros(BLOCK_M, BLOCK_N, WEIGHT_ROWS)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -305,14 +304,14 @@ def _down_rows(
             if expert == NUM_ROUTED:
                 w2, s2 = sw2_ptr, ss2_ptr
         acc = _down_sums(act_ptr, as_ptr, offs_m, w2, s2, offs_n, pid_n, N, K, stride_am, stride_asm, stride_wn,
-                         stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8, FORMAT == 5)
+                         stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8)
     elif expert == NUM_ROUTED:  # the shared expert stored unlike the experts: its own loop
         acc = _down_sums(act_ptr, as_ptr, offs_m, sw2_ptr, ss2_ptr, offs_n, pid_n, N, K, stride_am, stride_asm,
                          stride_swn, stride_ssn, SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, BLOCK_M, BLOCK_N,
-                         SHARED_BLOCK_K, IEEE, A8, False)
+                         SHARED_BLOCK_K, IEEE, A8)
     else:
         acc = _down_sums(act_ptr, as_ptr, offs_m, w2, s2, offs_n, pid_n, N, K, stride_am, stride_asm, stride_wn,
-                         stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8, FORMAT == 5)
+                         stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8)
     valid = entry >= 0
     y = acc.to(y_ptr.dtype.element_ty)
     if not PRESCALED:

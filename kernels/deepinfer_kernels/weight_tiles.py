@@ -227,7 +227,7 @@ def decoded_weight(
     k = w.shape[1] * (8 if weight.dtype == torch.int8 else 1)
     out = torch.empty(w.shape[0], k, dtype=dtype, device=w.device)
     grid = (triton.cdiv(w.shape[0], block_n), triton.cdiv(k, block_k))
-    _decode_kernel[grid](w, s, out, w.shape[0], k, w.stride(0), s.stride(0) if scale is not None else 0, FORMAT=fmt,
+    _decode_kernel[grid](w, s, out, w.shape[0], k, w.stride(0), s.stride(0), FORMAT=fmt,
                          BLOCK_N=block_n, BLOCK_K=block_k, SCALE_BN=scale_block[0], SCALE_BK=scale_block[1],
                          **launch_options(w.device))
     return out
