@@ -149,6 +149,23 @@ def test_fused_moe_with_fp8_activations_matches_reference(dtype, tokens):
     assert_matches(out, reference.fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("fmt,fp8_activations", [("dense", False), ("fp8", False), ("fp8", True), ("fp4", False)])
+def test_eight_row_tiles_put_the_weights_on_the_tall_side_in_every_format(monkeypatch, fmt, fp8_activations):
+    """Tiles of fewer rows than the MMA's 16 (the fp4 decode tiles, whose fp8 shared expert's loop shares
+    them) compute w x^T, except fp8 of whole-block scales (x w^T, fp8 activations' per-token scales too):
+    every format's loop at 8 rows."""
+    from deepinfer_kernels import fused_moe
+
+    monkeypatch.setattr(fused_moe, "tile_config", lambda *_: (8, 32, 64, 2, 2))
+    x, weights, ids, mlps, shared = _inputs(fmt, torch.bfloat16, 11, seed=12)
+    if fp8_activations:
+        shared = None
+    ops, reference = TritonOps(), KernelOps()
+    ops.fp8_activations = reference.fp8_activations = fp8_activations
+    out = ops.fused_moe(x, weights, ids, mlps, shared, 1.5)
+    assert_matches(out, reference.fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[torch.bfloat16])
+
+
 def test_fp4_experts_with_the_fp8_shared_expert_are_batch_invariant():
     """Batch-invariant mode keeps the fp8 shared expert apart at every step size: a token's output is the
     same bits alone and in a batch."""

@@ -74,7 +74,7 @@ def _gate_up_sums(
 ):
     """(w1 x, w3 x) [BLOCK_M, BLOCK_N] in float32 for one expert's weights in FORMAT."""
     compute = x_ptr.dtype.element_ty  # fp8 codes with A8 (xs_ptr: their per-token, per-K-tile scales)
-    WEIGHT_ROWS: tl.constexpr = FORMAT == 5  # FP4_PAIR_ORDER: the weights on the MMA's tall side (`_tile_dot`)
+    WEIGHT_ROWS: tl.constexpr = _weights_on_tall_side(FORMAT, BLOCK_M)
     gate = _dot_zeros(BLOCK_M, BLOCK_N, WEIGHT_ROWS)
     up = _dot_zeros(BLOCK_M, BLOCK_N, WEIGHT_ROWS)
     for k0 in range(0, K, BLOCK_K):
@@ -89,7 +89,7 @@ def _gate_up_sums(
                                   SCALE_BK)
         g_part = _tile_dot(x, g_tile, IEEE, WEIGHT_ROWS)
         u_part = _tile_dot(x, u_tile, IEEE, WEIGHT_ROWS)
-        if A8:  # (never with WEIGHT_ROWS)
+        if A8:  # (fp8 of whole-block scales: never WEIGHT_ROWS)
             x_scale = tl.load(xs_ptr + token * stride_xsm + k0 // BLOCK_K)[:, None]
             g_part = g_part * x_scale
             u_part = u_part * x_scale
@@ -115,14 +115,23 @@ def _dot_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WEIGHT_ROWS: tl.con
 
 @triton.jit
 def _tile_dot(x, w, IEEE: tl.constexpr, WEIGHT_ROWS: tl.constexpr):
-    """x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K]^T in float32; WEIGHT_ROWS (fp4 experts' decode-sized
-    launches): its transpose w x^T [BLOCK_N, BLOCK_M], so that the weights, decoded in registers, are the
-    MMA's register operand on its tall side and the few rows of x (8) its narrow side. The other way round
-    (x's rows padded to 16 on the tall side), every MMA's x fragment was gathered from four shared-memory
-    loads by register moves, about one per weight (`ab/sass_moe.py`, sm_90: 820 -> 435 instructions a K
-    step of gate and up of 32 columns x 128, with the PTX decode)."""
+    """x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K]^T in float32; WEIGHT_ROWS (`_weights_on_tall_side`:
+    the decode-sized fp4 launches, V4.1's 32 x 32 fp8 shared expert's loop included): its
+    transpose w x^T [BLOCK_N, BLOCK_M], so that the weights, converted in registers, are the MMA's register
+    operand on its tall side and the few rows of x (8) its narrow side. The other way round (x's rows padded
+    to 16 on the tall side), every MMA's x fragment was gathered from four shared-memory loads by register
+    moves, about one per weight (`ab/sass_moe.py`, sm_90: a K step of gate and up of 32 columns x 128, fp4
+    with the PTX decode 820 -> 435 instructions)."""
     a, b = (w, x) if WEIGHT_ROWS else (x, w)
     return tl.dot(a, tl.trans(b), input_precision="ieee" if IEEE else None)
+
+
+@triton.constexpr_function
+def _weights_on_tall_side(FORMAT, BLOCK_M):
+    """`_tile_dot`'s WEIGHT_ROWS: x's rows fewer than the MMA's 16, except for fp8 weights of whole-block
+    scales (FORMAT 1), measured slower so (H200, `fused_moe` alone: V4's 128 x 128 fp8 shared expert beside
+    fp4 experts 463 against 444 us at 16 tokens; V4.1's 32 x 32 one, FORMAT 4, 480 against 509)."""
+    return BLOCK_M < 16 and FORMAT != 1
 
 
 @triton.jit
@@ -227,7 +236,7 @@ def _down_sums(
 ):
     """w2 a [BLOCK_M, BLOCK_N] in float32 for one expert's weights in FORMAT (as `_gate_up_sums`)."""
     compute = act_ptr.dtype.element_ty  # fp8 codes with A8 (as_ptr: their per-row, per-K-tile scales)
-    WEIGHT_ROWS: tl.constexpr = FORMAT == 5
+    WEIGHT_ROWS: tl.constexpr = _weights_on_tall_side(FORMAT, BLOCK_M)
     acc = _dot_zeros(BLOCK_M, BLOCK_N, WEIGHT_ROWS)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
