@@ -59,7 +59,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="toy shapes (CPU: through TRITON_INTERPRET=1)")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="directory for kernels.json/.txt")
-    parser.add_argument("--only", default="", help="run only cases whose name contains this")
+    parser.add_argument("--only", default="", help="run only cases whose name contains one of these (comma list)")
     parser.add_argument("--no-reference-timing", action="store_true")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,7 +80,7 @@ def main() -> None:
     ops, reference = TritonOps(), KernelOps()
     rows: list[Row] = []
     for case in kernel_cases(ops, reference, args.tiny):
-        if args.only not in case.name:
+        if not any(wanted in case.name for wanted in args.only.split(",")):
             continue
         row = Row(case.name, "FAIL")
         try:

@@ -74,6 +74,12 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
             moe, warps, stages
         down = dict(moe_pointers, act_ptr=activations)
         yield f"moe_down[{weight[1:]}]", fused_moe._down_kernel, _types(fused_moe._down_kernel, down), moe, warps, stages
+    # one row of x and an fp8 weight on CUDA cores (`linear.one_row_tiles`)
+    block_m, block_n, block_k, warps, stages = linear.tile_config(1, 1, one_row=True)
+    yield "linear[fp8e4nv, one row]", linear._linear_kernel, _types(linear._linear_kernel, {
+        "w_ptr": WEIGHT_TYPES[1], "xs_ptr": "*fp32", "part_ptr": "*fp32", "counter_ptr": "*i32", "s_ptr": "*u8"}), \
+        dict(FORMAT=1, SCALE_BN=128, SCALE_BK=128, IEEE=False, A8=False, BLOCK_M=block_m, BLOCK_N=block_n,
+             BLOCK_K=block_k), warps, stages
     # decode-sized fp4 steps: the fp8 shared expert in its own K loop of the same launches
     block_m, block_n, block_k, warps, stages = fused_moe.tile_config(448, 2, False)
     moe = dict(FORMAT=fused_moe.fp4_kernel_format(block_m), SCALE_BN=1, SCALE_BK=1, IEEE=False, A8=False, SHARED=True,

@@ -35,7 +35,7 @@ def _apply(candidate) -> None:
     """Tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) and K split to fill `fill` x the SMs (0: none)."""
     config, fill = candidate
     linear.tile_config = lambda *_: config
-    linear.split_k = (lambda tiles, k, block_k, sms: 1 if fill == 0 or tiles >= fill * sms
+    linear.split_k = (lambda tiles, k, block_k, sms, *_: 1 if fill == 0 or tiles >= fill * sms
                       else max(1, min(-(-fill * sms // tiles), k // (2 * block_k), 32)))
 
 

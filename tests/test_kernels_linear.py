@@ -119,3 +119,32 @@ def test_grouped_linear_with_fp8_activations_matches_reference():
     ops.fp8_activations = reference.fp8_activations = True
     out = ops.grouped_linear(x, weight, scale, block)
     assert_matches(out, reference.grouped_linear(x, weight, scale, block), TOLERANCE[torch.float32])
+
+
+def test_one_row_meeting_an_fp8_weight_of_whole_block_tiles_takes_cuda_core_tiles():
+    """One row of x and an fp8 weight whose blocks hold the tile (W8A16) take one-row tiles (the kernel's
+    CUDA-core sums); more rows, other weights, smaller blocks, fp8 activations and batch-invariant mode
+    (tiles for BATCH_INVARIANT_ROWS whatever the rows) keep the MMA tiles."""
+    from deepinfer_kernels.linear import BATCH_INVARIANT_ROWS, one_row_tiles
+
+    assert one_row_tiles(1, 1, (128, 128), False) and one_row_tiles(1, 1, (64, 128), False)
+    assert not any(one_row_tiles(*args) for args in [(2, 1, (128, 128), False), (1, 0, None, False),
+                                                     (1, 2, None, False), (1, 1, (32, 32), False),
+                                                     (1, 1, (128, 128), True), (BATCH_INVARIANT_ROWS, 1, (128, 128), False)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [(64, 128), (128, 256)])
+@pytest.mark.parametrize("num_sms", [None, 132])
+def test_one_row_fp8_matches_reference(dtype, block, num_sms):
+    """One-row tiles: each K tile's block scale on x, K split in ranges (the partials' fixed-order sum) or
+    not, one group and several."""
+    gen = torch.Generator().manual_seed(block[0] + (num_sms or 0))
+    weight, scale = quantize_fp8_block(torch.randn(3 * 128, 1024, generator=gen) / 8, block)
+    assert split_k(6, 1024, 128, num_sms=132, one_row=True) == 4
+    x = torch.randn(1, 1024, generator=gen).to(dtype)
+    assert_matches(linear(x, weight, scale, block, num_sms=num_sms), KernelOps().linear(x, weight, scale, block),
+                   TOLERANCE[dtype])
+    grouped = torch.randn(1, 3, 1024, generator=gen).to(dtype)
+    assert_matches(grouped_linear(grouped, weight, scale, block, num_sms=num_sms),
+                   KernelOps().grouped_linear(grouped, weight, scale, block), TOLERANCE[dtype])

@@ -7,7 +7,8 @@ scaling the weight exactly. Float32 inputs use IEEE float32 dots (the contract a
 give ~3e-4). With `fp8_activations` an fp8 weight meets x quantised to fp8 (`activation_quant`, one pass
 before the product) on the fp8 tensor cores; a K tile is one weight block and one activation group, and
 each tile's product is a fresh float32 MMA result scaled and added to the accumulator, so no long fp8
-accumulation chain forms.
+accumulation chain forms. One row of x meeting an fp8 weight (W8A16, a decode step at batch 1) runs on CUDA
+cores instead (`one_row_tiles`).
 """
 
 from __future__ import annotations
@@ -20,13 +21,17 @@ from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, q
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 from deepinfer_kernels.weight_tiles import as_kernel_weight, e8m0_to_float, fp8_tiles, load_weight_tile, weight_format
 
-__all__ = ["BATCH_INVARIANT_ROWS", "grouped_linear", "linear", "linear_supported", "split_k", "tile_config"]
+__all__ = [
+    "BATCH_INVARIANT_ROWS", "grouped_linear", "linear", "linear_supported", "one_row_tiles", "split_k", "tile_config",
+]
 
 # Batch-invariant mode sizes every launch's tiles as for this many rows, whatever the row count: a
 # row's K loop and MMA shapes are then the same in any batch (no config keyed on M, no split-K).
 BATCH_INVARIANT_ROWS = 64
 # Split-K launches have fewer output tiles than the GPU has multiprocessors: one arrival counter each.
 _ARRIVAL_COUNTERS = 1024
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of one row on CUDA cores (`one_row_tiles`).
+ONE_ROW_TILE = (1, 64, 128, 4, 3)
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -52,27 +57,15 @@ def _linear_kernel(
     y_ptr += group.to(tl.int64) * stride_yg
     part_ptr += group.to(tl.int64) * stride_yg
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    compute = x_ptr.dtype.element_ty  # fp8 codes with A8 (then xs_ptr holds their per-row, per-K-tile scales)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(split * K_PER_SPLIT, tl.minimum(K, (split + 1) * K_PER_SPLIT), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-            mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0,
-        )
-        w = load_weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K, SCALE_BN,
-                             SCALE_BK)
-        if A8:
-            x_scale = tl.load(xs_ptr + offs_m.to(tl.int64) * stride_xsm + k0 // BLOCK_K, mask=offs_m < M, other=0.0)
-            part = tl.dot(x, tl.trans(w)) * x_scale[:, None]
-        elif IEEE:
-            part = tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            part = tl.dot(x, tl.trans(w))
-        if FORMAT == 1:
-            part = part * e8m0_to_float(tl.load(s_ptr + (pid_n * BLOCK_N // SCALE_BN) * stride_sn + k0 // SCALE_BK))
-        acc += part
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (the epilogue's)
+    k_start, k_end = split * K_PER_SPLIT, tl.minimum(K, (split + 1) * K_PER_SPLIT)
+    n0 = pid_n * BLOCK_N
+    if BLOCK_M == 1:  # (`one_row_tiles`)
+        acc = _one_row_sums(x_ptr + pid_m.to(tl.int64) * stride_xm, w_ptr, s_ptr, n0, k_start, k_end, N, K, stride_wn,
+                            stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_N, BLOCK_K)
+    else:
+        acc = _mma_sums(x_ptr, xs_ptr, w_ptr, s_ptr, offs_m, n0, k_start, k_end, M, N, K, stride_xm, stride_xsm,
+                        stride_wn, stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8)
     cells = offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SPLITS == 1:
@@ -92,9 +85,65 @@ def _linear_kernel(
             tl.store(counter, 0)
 
 
-def tile_config(m: int, fmt: int) -> tuple[int, int, int, int, int]:
+@triton.jit
+def _mma_sums(
+    x_ptr, xs_ptr, w_ptr, s_ptr, offs_m, n0, k_start, k_end, M, N, K, stride_xm, stride_xsm, stride_wn, stride_sn,
+    FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
+):
+    """x [BLOCK_M rows, K range] @ W^T [.., BLOCK_N] on the tensor cores, in float32; with A8, x_ptr holds fp8 codes
+    and xs_ptr their per-row, per-K-tile scales."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    compute = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+            mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0,
+        )
+        w = load_weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K, SCALE_BN,
+                             SCALE_BK)
+        if A8:
+            x_scale = tl.load(xs_ptr + offs_m.to(tl.int64) * stride_xsm + k0 // BLOCK_K, mask=offs_m < M, other=0.0)
+            part = tl.dot(x, tl.trans(w)) * x_scale[:, None]
+        elif IEEE:
+            part = tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            part = tl.dot(x, tl.trans(w))
+        if FORMAT == 1:
+            part = part * e8m0_to_float(tl.load(s_ptr + (n0 // SCALE_BN) * stride_sn + k0 // SCALE_BK))
+        acc += part
+    return acc
+
+
+@triton.jit
+def _one_row_sums(
+    x_ptr, w_ptr, s_ptr, n0, k_start, k_end, N, K, stride_wn, stride_sn,
+    FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """`_mma_sums` for one row of x and an fp8 weight (`one_row_tiles`), on CUDA cores in float32: each (column,
+    k lane) keeps its own sum over the K tiles, added across the lanes once at the end, so the loop is a
+    conversion and a fused multiply-add a weight, with no operand shuffles (the MMA pads x to 16 rows and
+    gathers its fragments). A whole block's power-of-two scale (FP8) scales x instead, exactly."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        if FORMAT == 1:
+            x = x * e8m0_to_float(tl.load(s_ptr + (n0 // SCALE_BN) * stride_sn + k0 // SCALE_BK))
+        w = load_weight_tile(w_ptr, s_ptr, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, tl.float32, BLOCK_K,
+                             SCALE_BN, SCALE_BK)
+        acc += w * x[None, :]
+    return tl.sum(acc, axis=1)[None, :]
+
+
+def tile_config(m: int, fmt: int, one_row: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for m rows; an fp8 weight's scale blocks then shape
-    the tile (`weight_tiles.fp8_tiles`)."""
+    the tile (`weight_tiles.fp8_tiles`). `one_row` (`one_row_tiles`): the one-row tile on CUDA cores."""
+    if one_row:
+        return ONE_ROW_TILE
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     block_n = 64 if m <= 64 else 128
     # decode-sized rows stream the weight: longer K tiles, one more stage (scripts/tune_linear_tiles.py:
@@ -104,13 +153,26 @@ def tile_config(m: int, fmt: int) -> tuple[int, int, int, int, int]:
     return block_m, block_n, block_k, warps, 4 if m <= 16 else 3
 
 
-def split_k(tiles: int, k: int, block_k: int, num_sms: int) -> int:
+def one_row_tiles(rows: int, fmt: int, block: tuple[int, int] | None, fp8_activations: bool) -> bool:
+    """Whether a launch takes `ONE_ROW_TILE` (`_one_row_sums`): one row of x meeting an fp8 weight whose scale
+    blocks hold that tile (W8A16; V4's 128 x 128). On an H200 a CSA layer's five fp8 projections at one row took
+    58.2 us so against 70.0 on the MMA tiles; V4.1's 32 x 32 blocks (a product more a weight), bf16 weights (the
+    LM head 376 against 244 us), W8A8 and 2-4 rows measured slower so (BENCHMARKS.md)."""
+    if rows != 1 or fmt != 1 or fp8_activations:
+        return False
+    return fp8_tiles(block, ONE_ROW_TILE[1], ONE_ROW_TILE[2])[0] == 1
+
+
+def split_k(tiles: int, k: int, block_k: int, num_sms: int, one_row: bool = False) -> int:
     """How many K ranges to give a launch of `tiles` output tiles so that it fills the GPU: a decode
     step's projections have few output tiles (a 1024-wide projection at 16 rows is 16 programs). The
-    partial sums add up in a fixed order (in the kernel), so the result is the same on every run."""
+    partial sums add up in a fixed order (in the kernel), so the result is the same on every run.
+    One-row tiles, light programs, aim at 4 a multiprocessor, of at least 2 K tiles each (H200: a fill of 4
+    beat 2 on most of the V4-Flash projections, BENCHMARKS.md)."""
     if tiles >= num_sms:
         return 1
-    return max(1, min(-(-2 * num_sms // tiles), k // (4 * block_k), 16))
+    fill, least_k_tiles, most = (4, 2, 32) if one_row else (2, 4, 16)
+    return max(1, min(-(-fill * num_sms // tiles), k // (least_k_tiles * block_k), most))
 
 
 def linear_supported(weight: torch.Tensor, block: tuple[int, int] | None, fp8_activations: bool = False) -> bool:
@@ -156,8 +218,9 @@ def grouped_linear(
         w = w.to(x.dtype)
     out = torch.empty((tokens, groups, n), dtype=x.dtype, device=x.device)
     tiled_rows = BATCH_INVARIANT_ROWS if batch_invariant else tokens
-    block_m, block_n, block_k, warps, stages = tile_config(tiled_rows, fmt)
     a8 = fp8_activations and fmt == 1
+    one_row = one_row_tiles(tiled_rows, fmt, block, a8)
+    block_m, block_n, block_k, warps, stages = tile_config(tiled_rows, fmt, one_row)
     kernel_format = fmt
     if fmt == 1 and not a8:
         kernel_format, block_n, block_k = fp8_tiles(block, block_n, block_k)
@@ -171,7 +234,7 @@ def grouped_linear(
     tiles = (triton.cdiv(tokens, block_m), triton.cdiv(n, block_n))
     splits = 1
     if not batch_invariant and num_sms is not None:
-        splits = split_k(tiles[0] * tiles[1] * groups, k, block_k, num_sms)
+        splits = split_k(tiles[0] * tiles[1] * groups, k, block_k, num_sms, one_row)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     partials, counters = out, out  # never read with one split
