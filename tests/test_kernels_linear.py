@@ -128,9 +128,9 @@ def test_one_row_meeting_an_fp8_weight_of_whole_block_tiles_takes_cuda_core_tile
     from deepinfer_kernels.linear import BATCH_INVARIANT_ROWS, one_row_tiles
 
     assert one_row_tiles(1, 1, (128, 128), False) and one_row_tiles(1, 1, (64, 128), False)
-    assert not any(one_row_tiles(*args) for args in [(2, 1, (128, 128), False), (1, 0, None, False),
-                                                     (1, 2, None, False), (1, 1, (32, 32), False),
-                                                     (1, 1, (128, 128), True), (BATCH_INVARIANT_ROWS, 1, (128, 128), False)])
+    others = [(2, 1, (128, 128), False), (1, 0, None, False), (1, 2, None, False), (1, 1, (32, 32), False),
+              (1, 1, (128, 128), True), (BATCH_INVARIANT_ROWS, 1, (128, 128), False)]
+    assert not any(one_row_tiles(*args) for args in others)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -57,9 +57,9 @@ def _linear_kernel(
     y_ptr += group.to(tl.int64) * stride_yg
     part_ptr += group.to(tl.int64) * stride_yg
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (the epilogue's)
-    k_start, k_end = split * K_PER_SPLIT, tl.minimum(K, (split + 1) * K_PER_SPLIT)
     n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    k_start, k_end = split * K_PER_SPLIT, tl.minimum(K, (split + 1) * K_PER_SPLIT)
     if BLOCK_M == 1:  # (`one_row_tiles`)
         acc = _one_row_sums(x_ptr + pid_m.to(tl.int64) * stride_xm, w_ptr, s_ptr, n0, k_start, k_end, N, K, stride_wn,
                             stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_N, BLOCK_K)
