@@ -90,8 +90,11 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
              "block_expert_ptr": "*i32", "route_w_ptr": "*fp32", **byte_scales,
              **{n: WEIGHT_TYPES[2] for n in ("w1_ptr", "w3_ptr", "w2_ptr")},
              **{n: WEIGHT_TYPES[1] for n in ("sw1_ptr", "sw3_ptr", "sw2_ptr")}}
-    for name, kernel in (("gate_up", fused_moe._gate_up_kernel), ("down", fused_moe._down_kernel)):
-        yield f"moe_{name}[i32+fp8 shared, decode]", kernel, _types(kernel, mixed), moe, warps, stages
+    gate_up, down = fused_moe._gate_up_kernel, fused_moe._down_kernel
+    registers = fused_moe.gate_up_registers(moe["FORMAT"], 1)  # (a launch option: `_compile` takes it out)
+    yield ("moe_gate_up[i32+fp8 shared, decode]", gate_up, _types(gate_up, mixed), dict(moe, maxnreg=registers), warps,
+           stages)
+    yield "moe_down[i32+fp8 shared, decode]", down, _types(down, mixed), moe, warps, stages
     kernel = sparse_attention._sparse_attention_kernel
     attention_pointers = {"sinks_ptr": "*fp32", "part_ptr": "*fp32", "stats_ptr": "*fp32", "freq_ptr": "*fp32",
                           **{n: "*i32" for n in ("selected_ptr", "token_seq_ptr", "query_start_ptr", "context_lens_ptr",
@@ -132,13 +135,14 @@ def _loop_spills(sass: str) -> int:
 
 def _compile(fn, types, consts, warps, stages, capability) -> str:
     consts = dict(consts, PDL=True)  # the GPU path: each kernel waits for the previous one (`dependent_launch`)
+    registers = consts.pop("maxnreg", None)  # a launch option, not a constexpr
     signature = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     divisible = [n for n in fn.arg_names if n not in consts and n not in NOT_DIVISIBLE and types[n] != "fp32"]
     source = ASTSource(fn=fn, signature=signature,
                        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                        attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     kernel = triton_compile(source, target=GPUTarget("cuda", capability, 32),
-                            options={"num_warps": warps, "num_stages": stages})
+                            options={"num_warps": warps, "num_stages": stages, "maxnreg": registers})
     arch = "sm_90a" if capability == 90 else "sm_100a"
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"

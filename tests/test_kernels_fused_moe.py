@@ -199,6 +199,38 @@ def test_fp4_decode_tiles_take_the_weights_in_pair_order_and_the_others_keep_col
     assert fp4_kernel_format(tile_config(7, 2, True)[0]) == FP4_SMALL_SCALES
 
 
+@pytest.mark.parametrize("fmt,shared_block,expected", [
+    ("fp4", (64, 64), 128),  # V4's fp4 checkpoints at decode sizes: an fp8 shared expert of whole-block scales
+    ("fp4", (32, 32), None),  # V4.1's: its shared loop scales 32 x 32 blocks in the tile
+    ("fp4", None, None),  # no shared expert in the launches
+    ("fp8", (64, 64), None),
+    ("dense", None, None),
+])
+def test_the_gate_up_launch_caps_registers_only_beside_an_fp8_shared_expert_of_whole_blocks(
+        monkeypatch, fmt, shared_block, expected):
+    """The cap is a launch option, which the interpreter ignores: the launch's keyword arguments are recorded."""
+    from deepinfer_kernels import fused_moe
+
+    launched, kernel = [], fused_moe._gate_up_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(kwargs["maxnreg"]) or kernel[grid](*args, **kwargs)
+
+    monkeypatch.setattr(fused_moe, "_gate_up_kernel", Recorded())
+    x, weights, ids, mlps, _ = _inputs(fmt, torch.bfloat16, 3, seed=15)
+    shared = None
+    if shared_block is not None:
+        gen = torch.Generator().manual_seed(16)
+        shapes = {"w1": (64, 96), "w3": (64, 96), "w2": (96, 64)}
+        q = {name: quantize_fp8_block(torch.randn(*shape, generator=gen) / 6, shared_block)
+             for name, shape in shapes.items()}
+        shared = MlpWeights(q["w1"][0], q["w3"][0], q["w2"][0], q["w1"][1], q["w3"][1], q["w2"][1], shared_block)
+    out = TritonOps().fused_moe(x, weights, ids, mlps, shared, 1.5)
+    assert launched == [expected]
+    assert_matches(out, KernelOps().fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[torch.bfloat16])
+
+
 def test_experts_not_held_contribute_nothing():
     x, weights, ids, mlps, shared = _inputs("dense", torch.float32, 23, seed=5)
     mlps = [m if i % 3 else None for i, m in enumerate(mlps)]

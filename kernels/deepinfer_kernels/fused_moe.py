@@ -35,8 +35,8 @@ from deepinfer_kernels.weight_tiles import (
 )
 
 __all__ = [
-    "StackedExperts", "fp4_kernel_format", "half_tails", "moe_routed", "moe_supported", "shared_fusable",
-    "step_pairs", "tile_config",
+    "StackedExperts", "fp4_kernel_format", "gate_up_registers", "half_tails", "moe_routed", "moe_supported",
+    "shared_fusable", "step_pairs", "tile_config",
 ]
 
 
@@ -372,6 +372,18 @@ def tile_config(pairs: int, fmt: int, batch_invariant: bool) -> tuple[int, int, 
     return (16, 64, 128, 4, 3)
 
 
+def gate_up_registers(kernel_format: int, mixed_shared_format: int | None) -> int | None:
+    """The register cap (a thread's) of the gate/up launch, or None for the compiler's choice. fp4 decode tiles
+    beside an fp8 shared expert of whole-block scales (V4's fp4 checkpoints; mixed_shared_format: the shared
+    expert's own loop format, None when it has none) take 128 of their 164: 8 two-warp programs a multiprocessor
+    instead of 6, for 4 spill instructions in the fp4 K loop's 862 (sm_90, `scripts/compile_kernels.py`). H200,
+    the 4-layer fp4 decode step: 1.066 / 2.048 / 3.933 / 9.767 -> 1.062 / 2.036 / 3.851 / 9.544 ms at batch
+    1 / 16 / 64 / 256. Measured slower: V4.1's 32 x 32 shared loop (236 registers) at 128 (66 -> 89 us at one
+    token), the down launch (107) at 96 (BENCHMARKS.md).
+    """
+    return 128 if kernel_format == FP4_PAIR_ORDER and mixed_shared_format == 1 else None
+
+
 def fp4_kernel_format(block_m: int) -> int:
     """The FORMAT of fp4 experts whose scales are all at most 2 in tiles of block_m rows: decode-sized tiles
     (16 rows or fewer) put the weights on the MMA's tall side in pair order (FP4_PAIR_ORDER); taller ones
@@ -513,6 +525,7 @@ def moe_routed(
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, **shared_args,
         num_warps=warps, num_stages=stages, **launch_options(x.device),
+        maxnreg=gate_up_registers(kernel_format, shared_format if mixed else None),
     )
     held_all = bool(experts.num_held == experts.local_ids.shape[0])
     alloc = torch.empty if held_all else torch.zeros
