@@ -20,13 +20,13 @@ from deepinfer_nvidia.ops import TritonOps
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
 
 
-def _mlp(fmt: str, hidden: int, inter: int, gen: torch.Generator, dtype: torch.dtype, magnitude: float = 1 / 6
-         ) -> MlpWeights:
+def _mlp(fmt: str, hidden: int, inter: int, gen: torch.Generator, dtype: torch.dtype, magnitude: float = 1 / 6,
+         block: tuple[int, int] = (64, 64)) -> MlpWeights:
     shapes = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
     mats = {name: torch.randn(*shape, generator=gen) * magnitude for name, shape in shapes.items()}
     if fmt == "fp8":
-        q = {name: quantize_fp8_block(m, (64, 64)) for name, m in mats.items()}
-        return MlpWeights(q["w1"][0], q["w3"][0], q["w2"][0], q["w1"][1], q["w3"][1], q["w2"][1], (64, 64))
+        q = {name: quantize_fp8_block(m, block) for name, m in mats.items()}
+        return MlpWeights(q["w1"][0], q["w3"][0], q["w2"][0], q["w1"][1], q["w3"][1], q["w2"][1], block)
     if fmt == "fp4":
         q = {name: quantize_fp4(m) for name, m in mats.items()}
         return MlpWeights(q["w1"][0], q["w3"][0], q["w2"][0], q["w1"][1], q["w3"][1], q["w2"][1])
@@ -221,11 +221,7 @@ def test_the_gate_up_launch_caps_registers_only_beside_an_fp8_shared_expert_of_w
     x, weights, ids, mlps, _ = _inputs(fmt, torch.bfloat16, 3, seed=15)
     shared = None
     if shared_block is not None:
-        gen = torch.Generator().manual_seed(16)
-        shapes = {"w1": (64, 96), "w3": (64, 96), "w2": (96, 64)}
-        q = {name: quantize_fp8_block(torch.randn(*shape, generator=gen) / 6, shared_block)
-             for name, shape in shapes.items()}
-        shared = MlpWeights(q["w1"][0], q["w3"][0], q["w2"][0], q["w1"][1], q["w3"][1], q["w2"][1], shared_block)
+        shared = _mlp("fp8", 96, 64, torch.Generator().manual_seed(16), torch.bfloat16, block=shared_block)
     out = TritonOps().fused_moe(x, weights, ids, mlps, shared, 1.5)
     assert launched == [expected]
     assert_matches(out, KernelOps().fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[torch.bfloat16])
