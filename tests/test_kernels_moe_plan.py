@@ -99,3 +99,31 @@ def test_plan_matches_with_prefill_sized_chunks():
     ids, local_ids = _random_routing(700, 6, 64, 40, seed=8)
     assert ids.numel() > plan_module._LARGE_FROM
     _assert_same_plan(ids, local_ids, 40, 128)
+
+
+@pytest.mark.parametrize("block_m", [8, 16, 64])
+@pytest.mark.parametrize(("tokens", "top_k"), [(1, 6), (1, 7), (1, 8), (2, 3)])
+def test_one_launch_plan_equals_the_reference_plan(tokens, top_k, block_m):
+    """A plan of up to 8 pairs and 128 padded rows takes one launch (a decode step's token at top-6 with the
+    shared expert), past either three: the same plan either way, with the shared expert, experts not held and
+    an expert picked twice by a token."""
+    ids, local_ids = _random_routing(tokens, top_k, 32, 20, seed=tokens + top_k + block_m)
+    ids[0, -1] = ids[0, 0]
+    for shared in (False, True):
+        row_entry, block_expert = moe_plan(ids, local_ids, 20, block_m, shared=shared)
+        if shared:
+            ids_in = torch.cat([ids, torch.full((tokens, 1), 32)], dim=1)
+            local_in = torch.cat([local_ids.masked_fill(local_ids == 20, 21), torch.tensor([20])])
+        else:
+            ids_in, local_in = ids, local_ids
+        expected_rows, expected_blocks = _reference_plan(ids_in, local_in, 20 + shared, block_m)
+        assert torch.equal(row_entry, expected_rows)
+        assert torch.equal(block_expert, expected_blocks)
+
+
+def test_a_decode_token_takes_the_one_launch_plan():
+    """The case the one-launch plan is for: one token at top-6 with the shared expert in 8- or 16-row blocks."""
+    for block_m in (8, 16):
+        rows = triton.cdiv(7 + 7 * (block_m - 1), block_m) * block_m
+        assert plan_module.one_launch_plan(7, rows)
+    assert not plan_module.one_launch_plan(7, 7 * 64)  # 64-row blocks (batch-invariant tiles)

@@ -1,10 +1,10 @@
 """Routed experts as two grouped GEMMs over tokens sorted by expert (bf16, fp8-block or fp4 weights).
 
-Plan (`moe_plan`, three small launches, no host sync): the T*k (token, slot) pairs are sorted by expert and
-each expert's run is padded to a multiple of BLOCK_M, so every row block of the padded order belongs to one
-expert. Launch 1 computes a = silu(min(w1 x, L)) * clamp(w3 x, -L, L) for each padded row (both
-projections in one program, the clamped SwiGLU in the epilogue). Launch 2 computes w2 a, multiplies the
-routing weight and writes the pair's row of y [T*k, D]; the k rows of a token are summed afterwards in
+Plan (`moe_plan`, three small launches or one for a decode token, no host sync): the T*k (token, slot) pairs
+are sorted by expert and each expert's run is padded to a multiple of BLOCK_M, so every row block of the
+padded order belongs to one expert. Launch 1 computes a = silu(min(w1 x, L)) * clamp(w3 x, -L, L) for each
+padded row (both projections in one program, the clamped SwiGLU in the epilogue). Launch 2 computes w2 a,
+multiplies the routing weight and writes the pair's row of y [T*k, D]; the k rows of a token are summed afterwards in
 float32 (deterministic: no atomics). Weights are stacked per projection, w1 / w3 / w2 [E, N, K] (+ scales
 [E, ...]), so each expert can stay a separate parameter that views its slice of the stack. The shared
 expert is one more pair per token (stack index E_held, its own weight pointers, weight 1): no separate

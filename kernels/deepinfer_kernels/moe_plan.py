@@ -10,6 +10,10 @@ padded to a multiple of the GEMM's row block. Three launches, no host sync, work
 
 A row's place in its expert's run does not change its GEMM result (each output row reads only its own
 input row), but the stable order keeps the plan itself a pure function of the routing.
+
+A step of a few pairs and padded rows (one token at top-6 with the shared expert, decode tiles) takes one
+launch instead (`one_launch_plan`): its pairs compared with each other stand in for the histogram, and the
+runs stay in registers.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ import triton.language as tl
 
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 
-__all__ = ["moe_plan"]
+__all__ = ["moe_plan", "one_launch_plan"]
 
 # Pairs per chunk: a [CHUNK, CHUNK] comparison ranks a chunk's pairs; prefill-sized steps take 128.
 _CHUNK, _LARGE_CHUNK, _LARGE_FROM = 64, 128, 4096
+# Steps of at most this many pairs and padded rows take one launch (`one_launch_plan`).
+_ONE_LAUNCH_PAIRS, _ONE_LAUNCH_ROWS = 8, 128
 # Histogram rows scanned per step of launch 2.
 _SCAN_ROWS = 16
 
@@ -123,6 +129,47 @@ def _place_kernel(
     tl.store(block_expert_ptr + rows // BLOCK_M, expert, mask=in_range & (rows % BLOCK_M == 0))
 
 
+@triton.jit
+def _one_launch_plan_kernel(
+    ids_ptr, local_ids_ptr, row_entry_ptr, block_expert_ptr, PAIRS, NUM_ROUTED, TOP_K, ROWS,
+    BLOCK_M: tl.constexpr, PAIRS_P2: tl.constexpr, ROW_TILE: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_previous_grid(PDL)
+    # The three launches' plan for PAIRS <= PAIRS_P2 and ROWS <= ROW_TILE. Each held expert's run is represented
+    # by its first pair: the run's length is that expert's count of pairs, its start the padded runs of the
+    # lower experts.
+    num_held = NUM_ROUTED + SHARED
+    lanes = tl.arange(0, PAIRS_P2)
+    valid = lanes < PAIRS
+    local = _pair_experts(ids_ptr, local_ids_ptr, lanes, valid, NUM_ROUTED, TOP_K, SHARED)
+    held = valid & (local < num_held)
+    same = (local[:, None] == local[None, :]) & held[:, None] & held[None, :]
+    count = tl.sum(same.to(tl.int32), 1)
+    rank = tl.sum((same & (lanes[None, :] < lanes[:, None])).to(tl.int32), 1)
+    first = held & (rank == 0)
+    padded = tl.where(first, (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    start = tl.sum(tl.where(first[None, :] & (local[None, :] < local[:, None]), padded[None, :], 0), 1)
+    tl.store(row_entry_ptr + start + rank, lanes, mask=held)
+    rows = tl.arange(0, ROW_TILE)
+    in_range = rows < ROWS
+    # [rows, pairs]: which run (first pair) holds each row, and whether a pair fills it
+    in_run = first[None, :] & (start[None, :] <= rows[:, None]) & (rows[:, None] < (start + padded)[None, :])
+    filled = tl.sum((in_run & (rows[:, None] < (start + count)[None, :])).to(tl.int32), 1) > 0
+    tl.store(row_entry_ptr + rows, tl.full((ROW_TILE,), -1, tl.int32), mask=in_range & ~filled)
+    owned = tl.sum(in_run.to(tl.int32), 1) > 0
+    expert = tl.where(owned, tl.sum(tl.where(in_run, local[None, :], 0), 1), num_held)
+    tl.store(block_expert_ptr + rows // BLOCK_M, expert, mask=in_range & (rows % BLOCK_M == 0))
+
+
+def one_launch_plan(pairs: int, rows: int) -> bool:
+    """Whether a plan of `pairs` pairs and `rows` padded rows takes `_one_launch_plan_kernel` (one program, one
+    warp, [rows, pairs] comparisons) instead of the three launches. H200, graph replay: a token at top-6 with
+    the shared expert 7.6 -> 2.2 us with 8-row blocks, and the batch-1 decode step of the 4-layer V4-Flash
+    slice 1.216 -> 1.203 ms in bf16, 1.060 -> 1.039 with fp4 experts. Slower past it: 2 tokens (14 pairs) 8.0
+    -> 9.7 us, one token in 64-row blocks (448 rows) 8.0 -> 12.8 (BENCHMARKS.md)."""
+    return pairs <= _ONE_LAUNCH_PAIRS and rows <= _ONE_LAUNCH_ROWS
+
+
 def moe_plan(ids: torch.Tensor, local_ids: torch.Tensor, num_routed: int, block_m: int, shared: bool = False):
     """(row_entry [R] int32: the pair of each padded row or -1, block_expert [R / block_m] int32: the stack
     index of each row block, num_routed + shared past the end) for routing ids [T, k] and local_ids [E]
@@ -137,11 +184,18 @@ def moe_plan(ids: torch.Tensor, local_ids: torch.Tensor, num_routed: int, block_
     block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
     if pairs == 0:
         return row_entry, block_expert
+    flat_ids = ids.reshape(-1)
+    if one_launch_plan(pairs, rows):
+        _one_launch_plan_kernel[(1,)](
+            flat_ids, local_ids, row_entry, block_expert, pairs, num_routed, top_k, rows,
+            BLOCK_M=block_m, PAIRS_P2=_ONE_LAUNCH_PAIRS, ROW_TILE=triton.next_power_of_2(rows), SHARED=shared,
+            num_warps=1, **launch_options(ids.device),
+        )
+        return row_entry, block_expert
     chunk = _LARGE_CHUNK if pairs > _LARGE_FROM else _CHUNK
     bins = max(16, triton.next_power_of_2(num_held))
     num_chunks = triton.cdiv(pairs, chunk)
     tally = torch.empty((num_chunks + 3, bins), dtype=torch.int32, device=ids.device)
-    flat_ids = ids.reshape(-1)
     _histogram_kernel[(num_chunks,)](
         flat_ids, local_ids, tally, pairs, num_routed, top_k, CHUNK=chunk, BINS=bins, SHARED=shared,
         **launch_options(ids.device),
