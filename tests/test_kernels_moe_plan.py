@@ -45,8 +45,15 @@ def _random_routing(tokens: int, top_k: int, experts: int, num_held: int, seed: 
     return ids, local_ids
 
 
-def _assert_same_plan(ids, local_ids, num_held, block_m):
-    row_entry, block_expert = moe_plan(ids, local_ids, num_held, block_m)
+def _assert_same_plan(ids, local_ids, num_held, block_m, shared=False):
+    """With `shared`, pair t * (k + 1) + k is the shared expert's (stack index num_held): the same plan as
+    routing each token to k + 1 experts, the last one an extra held expert, and not-held pairs still dropped."""
+    row_entry, block_expert = moe_plan(ids, local_ids, num_held, block_m, shared=shared)
+    if shared:
+        experts = local_ids.shape[0]
+        ids = torch.cat([ids, torch.full((ids.shape[0], 1), experts)], dim=1)
+        local_ids = torch.cat([local_ids.masked_fill(local_ids == num_held, num_held + 1), torch.tensor([num_held])])
+        num_held += 1
     expected_rows, expected_blocks = _reference_plan(ids, local_ids, num_held, block_m)
     assert row_entry.dtype == block_expert.dtype == torch.int32
     assert torch.equal(row_entry, expected_rows)
@@ -83,15 +90,9 @@ def test_plan_matches_at_prefill_size():
 
 @pytest.mark.parametrize(("tokens", "top_k", "experts", "num_held"), [(1, 2, 8, 8), (23, 4, 16, 5), (130, 6, 64, 64)])
 def test_plan_with_the_shared_expert_as_one_more_pair_per_token(tokens, top_k, experts, num_held):
-    """With `shared`, pair t * (k + 1) + k is the shared expert's (stack index num_held): the same plan as
-    routing each token to k + 1 experts, the last one an extra held expert, and not-held pairs still dropped."""
+    """`shared`: see `_assert_same_plan`."""
     ids, local_ids = _random_routing(tokens, top_k, experts, num_held, seed=tokens)
-    row_entry, block_expert = moe_plan(ids, local_ids, num_held, 16, shared=True)
-    extended_ids = torch.cat([ids, torch.full((tokens, 1), experts)], dim=1)
-    extended_local = torch.cat([local_ids.masked_fill(local_ids == num_held, num_held + 1), torch.tensor([num_held])])
-    expected_rows, expected_blocks = _reference_plan(extended_ids, extended_local, num_held + 1, 16)
-    assert torch.equal(row_entry, expected_rows)
-    assert torch.equal(block_expert, expected_blocks)
+    _assert_same_plan(ids, local_ids, num_held, 16, shared=True)
 
 
 def test_plan_matches_with_prefill_sized_chunks():
@@ -110,15 +111,7 @@ def test_one_launch_plan_equals_the_reference_plan(tokens, top_k, block_m):
     ids, local_ids = _random_routing(tokens, top_k, 32, 20, seed=tokens + top_k + block_m)
     ids[0, -1] = ids[0, 0]
     for shared in (False, True):
-        row_entry, block_expert = moe_plan(ids, local_ids, 20, block_m, shared=shared)
-        if shared:
-            ids_in = torch.cat([ids, torch.full((tokens, 1), 32)], dim=1)
-            local_in = torch.cat([local_ids.masked_fill(local_ids == 20, 21), torch.tensor([20])])
-        else:
-            ids_in, local_in = ids, local_ids
-        expected_rows, expected_blocks = _reference_plan(ids_in, local_in, 20 + shared, block_m)
-        assert torch.equal(row_entry, expected_rows)
-        assert torch.equal(block_expert, expected_blocks)
+        _assert_same_plan(ids, local_ids, 20, block_m, shared)
 
 
 def test_a_decode_token_takes_the_one_launch_plan():
