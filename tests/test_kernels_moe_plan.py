@@ -117,6 +117,5 @@ def test_one_launch_plan_equals_the_reference_plan(tokens, top_k, block_m):
 def test_a_decode_token_takes_the_one_launch_plan():
     """The case the one-launch plan is for: one token at top-6 with the shared expert in 8- or 16-row blocks."""
     for block_m in (8, 16):
-        rows = triton.cdiv(7 + 7 * (block_m - 1), block_m) * block_m
-        assert plan_module.one_launch_plan(7, rows)
+        assert plan_module.one_launch_plan(7, plan_module.plan_rows(7, 257, block_m))
     assert not plan_module.one_launch_plan(7, 7 * 64)  # 64-row blocks (batch-invariant tiles)

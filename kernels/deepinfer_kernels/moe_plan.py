@@ -24,7 +24,7 @@ import triton.language as tl
 
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 
-__all__ = ["moe_plan", "one_launch_plan"]
+__all__ = ["moe_plan", "one_launch_plan", "plan_rows"]
 
 # Pairs per chunk: a [CHUNK, CHUNK] comparison ranks a chunk's pairs; prefill-sized steps take 128.
 _CHUNK, _LARGE_CHUNK, _LARGE_FROM = 64, 128, 4096
@@ -161,6 +161,11 @@ def _one_launch_plan_kernel(
     tl.store(block_expert_ptr + rows // BLOCK_M, expert, mask=in_range & (rows % BLOCK_M == 0))
 
 
+def plan_rows(pairs: int, num_held: int, block_m: int) -> int:
+    """Padded rows of a plan: every pair in its own expert's run, each run padded to block_m (the worst case)."""
+    return triton.cdiv(pairs + min(num_held, pairs) * (block_m - 1), block_m) * block_m
+
+
 def one_launch_plan(pairs: int, rows: int) -> bool:
     """Whether a plan of `pairs` pairs and `rows` padded rows takes `_one_launch_plan_kernel` (one program, one
     warp, [rows, pairs] comparisons) instead of the three launches. H200, graph replay: a token at top-6 with
@@ -179,7 +184,7 @@ def moe_plan(ids: torch.Tensor, local_ids: torch.Tensor, num_routed: int, block_
     """
     tokens, top_k = ids.shape
     pairs, num_held = tokens * (top_k + shared), num_routed + shared
-    rows = triton.cdiv(pairs + min(num_held, pairs) * (block_m - 1), block_m) * block_m
+    rows = plan_rows(pairs, num_held, block_m)
     row_entry = torch.empty(rows, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
     if pairs == 0:
