@@ -33,6 +33,8 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
     hidden, inter, experts, top_k = (96, 64, 8, 3) if tiny else (4096, 2048, 256, 6)
     for shape in ([(17, 96), (9, 40)] if tiny else [(8192, 4096), (8192, 1024)]):
         yield Case(f"rms_norm {list(shape)}", partial(_rms_norm, ops, reference, shape))
+    for tokens in ([1, 21] if tiny else [1, 64, 8192]):
+        yield Case(f"hc_pre_norm T={tokens} n=4 D={hidden}", partial(_hc_pre_norm, ops, reference, tokens, hidden))
     # (name, N, K): wq_a, wq_b, wkv, an expert's w1
     projections = ([("wq_b", 80, 64), ("w1", 64, 96)] if tiny else
                    [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096), ("w1", 2048, 4096)])
@@ -99,6 +101,22 @@ def _rms_norm(ops, reference, shape, gen, device):
     nbytes = 2 * x.numel() * 2 + weight.numel() * 4
     return (lambda: ops.rms_norm(x, weight, 1e-6), lambda: reference.rms_norm(x, weight, 1e-6),
             4 * x.numel(), nbytes, NORM_TOL, False)
+
+
+def _hc_pre_norm(ops, reference, tokens, hidden, gen, device):
+    """mHC before a block with the block's input norm: (block input, post, comb) compared as one vector."""
+    n, k = 4, 4 * hidden
+    streams = (torch.randn(tokens, n, hidden, device=device, generator=gen) * 2).to(torch.bfloat16)
+    fn = torch.randn((2 + n) * n, k, device=device, generator=gen) / math.sqrt(k)
+    base = torch.randn((2 + n) * n, device=device, generator=gen) * 0.5
+    scale = torch.rand(3, device=device, generator=gen) + 0.5
+    args = (streams, fn, base, scale, 1e-6, 1e-6, 20, torch.rand(hidden, device=device, generator=gen) + 0.5, 1e-6)
+
+    def flat(op):
+        return lambda: torch.cat([out.float().flatten() for out in op(*args)])
+
+    nbytes = streams.numel() * 2 + fn.numel() * 4 + tokens * hidden * 2
+    return flat(ops.hc_pre_norm), flat(reference.hc_pre_norm), 2 * fn.numel() * tokens, nbytes, NORM_TOL, False
 
 
 def _quantized(w: torch.Tensor, fmt: str, block: tuple[int, int]):

@@ -1,4 +1,5 @@
-"""Triton mHC kernels (`hc_mix`, `hc_collapse`, `hc_update`, the final head) against the reference ops, through the interpreter."""
+"""Triton mHC kernels (`hc_mix`, `hc_collapse` with and without the block's input norm, `hc_update`, the final
+head) against the reference ops, through the interpreter."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from kernel_checks import assert_matches
 
 from deepinfer_core.platform.kernel_ops import KernelOps
 from deepinfer_kernels.hyper_connection import hc_collapse, hc_mix, hc_update
+from deepinfer_kernels.rms_norm import rms_norm
 from deepinfer_nvidia.ops import TritonOps
 
 # float32: reduction order only (the RMS factor applied after the dot instead of before: ~1e-7).
@@ -52,6 +54,28 @@ def test_hc_collapse_matches_reference(dtype):
     gen = torch.Generator().manual_seed(3)
     streams, pre = _streams(gen, 9, 4, 1100, dtype), torch.rand(9, 4, generator=gen) + 0.1
     assert_matches(hc_collapse(streams, pre), KernelOps().hc_collapse(streams, pre), UPDATE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,d", [(1, 40), (6, 1100)])
+def test_hc_pre_norm_matches_reference(dtype, t, d):
+    gen = torch.Generator().manual_seed(t + d)
+    n = 4
+    streams = _streams(gen, t, n, d, dtype)
+    fn = torch.randn((2 + n) * n, n * d, generator=gen) * 0.1
+    base, scale = torch.randn((2 + n) * n, generator=gen) * 0.5, torch.rand(3, generator=gen) + 0.5
+    args = (streams, fn, base, scale, 1e-6, 1e-6, 20, torch.rand(d, generator=gen) + 0.5, 1e-6)
+    for out, ref in zip(TritonOps().hc_pre_norm(*args), KernelOps().hc_pre_norm(*args)):
+        assert_matches(out, ref, UPDATE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_collapse_with_the_norm_equals_the_two_kernels(dtype):
+    """One launch for the collapse and the norm, the same arithmetic as `hc_collapse` then `rms_norm`."""
+    gen = torch.Generator().manual_seed(7)
+    streams, pre = _streams(gen, 5, 4, 300, dtype), torch.rand(5, 4, generator=gen) + 0.1
+    weight = torch.rand(300, generator=gen)
+    assert torch.equal(hc_collapse(streams, pre, (weight, 1e-6)), rms_norm(hc_collapse(streams, pre), weight, 1e-6))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -190,6 +190,25 @@ class KernelOps:
         pre, post, comb = self.hc_mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
         return self.hc_collapse(streams, pre), post, comb
 
+    def hc_pre_norm(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+        sinkhorn_iters: int,
+        input_weight: torch.Tensor,
+        input_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`hc_pre` followed by the block's input norm: (rms_norm(collapsed, input_weight, input_eps), post,
+        comb). A backend may fuse the two (the collapsed input is rounded to streams.dtype before the norm
+        either way). Tolerance: float32 1e-5, bfloat16 1.6e-2 relative.
+        """
+        collapsed, post, comb = self.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+        return self.rms_norm(collapsed, input_weight, input_eps), post, comb
+
     @row_tiled("block_out", "streams", "post", "comb")
     def hc_post(
         self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor

@@ -94,6 +94,11 @@ def _hc_pre_inputs(gen, dt):
     return (streams, fn, _randn(gen, (2 + n) * n) * 0.5, torch.rand(3, generator=gen) + 0.5, 1e-6, 1e-6, 20), {}
 
 
+def _hc_pre_norm_inputs(gen, dt):
+    (streams, *rest), _ = _hc_pre_inputs(gen, dt)
+    return (streams, *rest, torch.rand(streams.shape[-1], generator=gen) + 0.5, 1e-6), {}
+
+
 def _hc_post_inputs(gen, dt):
     n, d = 4, 40
     comb = torch.softmax(_randn(gen, 7, n, n), dim=-1)
@@ -317,6 +322,7 @@ OP_CASES: list[OpCase] = [
     OpCase("rope", "inplace_permitted", lambda g, dt: _rope_inputs(g, dt, False, inplace=True),
            rtol=_TOL_RTOL, atol=_TOL_ATOL, given_up=(0,)),
     OpCase("hc_pre", "four_streams", _hc_pre_inputs, rtol=_TOL_RTOL, atol=_TOL_ATOL),
+    OpCase("hc_pre_norm", "four_streams", _hc_pre_norm_inputs, rtol=_TOL_RTOL, atol=_TOL_ATOL),
     OpCase("hc_post", "four_streams", _hc_post_inputs, rtol=_WIDE_RTOL, atol=_WIDE_ATOL),
     OpCase("hc_head", "two_streams", _hc_head_inputs, rtol=_TOL_RTOL, atol=_TOL_ATOL),
     OpCase(

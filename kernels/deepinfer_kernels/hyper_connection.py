@@ -189,24 +189,59 @@ def _hc_collapse_kernel(s_ptr, pre_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl
     wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    tl.store(out_ptr + row * D + cols, _collapse(s_ptr, pre_ptr, row, cols, D, N).to(out_ptr.dtype.element_ty),
+             mask=cols < D)
+
+
+@triton.jit
+def _hc_collapse_norm_kernel(
+    s_ptr, pre_ptr, w_ptr, out_ptr, D, eps, N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+):
+    # A whole row a program: the collapse rounded to the streams' dtype, then `rms_norm`'s arithmetic on it.
+    wait_for_previous_grid(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
     ok = cols < D
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    x = _collapse(s_ptr, pre_ptr, row, cols, D, N).to(out_ptr.dtype.element_ty).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps) * tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _collapse(s_ptr, pre_ptr, row, cols, D, N: tl.constexpr):
+    """sum_i pre[row, i] * streams[row, i, cols] in float32 (zero past D)."""
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
     for i in tl.static_range(N):
         w = tl.load(pre_ptr + row * N + i)
-        acc += w * tl.load(s_ptr + (row * N + i) * D + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        acc += w * tl.load(s_ptr + (row * N + i) * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+    return acc
 
 
-def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """sum_i pre[t, i] * streams[t, i] in float32, cast to streams.dtype: [T, D]."""
+def hc_collapse(
+    streams: torch.Tensor, pre: torch.Tensor, input_norm: tuple[torch.Tensor, float] | None = None
+) -> torch.Tensor:
+    """sum_i pre[t, i] * streams[t, i] in float32, cast to streams.dtype: [T, D]. With `input_norm` (weight,
+    eps), the block's input norm too (`KernelOps.hc_pre_norm`): one launch, a row a program, in place of the
+    collapse and `rms_norm`'s two passes over [T, D]."""
     t, n, d = streams.shape
     streams = streams.contiguous()
     out = torch.empty(t, d, dtype=streams.dtype, device=streams.device)
-    if t:
-        block = min(1024, triton.next_power_of_2(d))
-        _hc_collapse_kernel[(t, triton.cdiv(d, block))](
-            streams, pre.float().contiguous(), out, d, N=n, BLOCK_D=block, **launch_options(streams.device)
+    if not t:
+        return out
+    pre = pre.float().contiguous()
+    if input_norm is not None:
+        block = triton.next_power_of_2(d)
+        weight, eps = input_norm
+        # as `rms_norm`: 8 warps past 2k columns keep a whole row in registers
+        _hc_collapse_norm_kernel[(t,)](
+            streams, pre, weight, out, d, eps, N=n, BLOCK_D=block, num_warps=8 if block >= 2048 else 4,
+            **launch_options(streams.device),
         )
+        return out
+    block = min(1024, triton.next_power_of_2(d))
+    _hc_collapse_kernel[(t, triton.cdiv(d, block))](
+        streams, pre, out, d, N=n, BLOCK_D=block, **launch_options(streams.device)
+    )
     return out
 
 

@@ -232,6 +232,13 @@ class TritonOps(KernelOps):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self._hc_mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, self.batch_invariant)
 
+    def hc_pre_norm(
+        self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+        norm_eps: float, hc_eps: float, sinkhorn_iters: int, input_weight: torch.Tensor, input_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pre, post, comb = self.hc_mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+        return self._hc_collapse(streams, pre, (input_weight, input_eps)), post, comb
+
     def hc_collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         return self._hc_collapse(streams, pre)
 

@@ -39,7 +39,13 @@ class Block(nn.Module):
         """streams [T, hc_mult, D] -> [T, hc_mult, D]; `input_ids` feed hash routing."""
         ops, c = self.ops, self.config
         hc = (c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
-        collapsed, post, comb = ops.hc_pre(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *hc)
-        streams = ops.hc_post(self.attn(self.attn_norm(collapsed), batch, cache), streams, post, comb)
-        collapsed, post, comb = ops.hc_pre(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *hc)
-        return ops.hc_post(self.ffn(self.ffn_norm(collapsed), input_ids), streams, post, comb)
+        norm = self.attn_norm
+        attn_in, post, comb = ops.hc_pre_norm(
+            streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *hc, norm.weight, norm.eps
+        )
+        streams = ops.hc_post(self.attn(attn_in, batch, cache), streams, post, comb)
+        norm = self.ffn_norm
+        ffn_in, post, comb = ops.hc_pre_norm(
+            streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *hc, norm.weight, norm.eps
+        )
+        return ops.hc_post(self.ffn(ffn_in, input_ids), streams, post, comb)
