@@ -52,6 +52,8 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
         for fmt in ("bf16", "fp8", "fp8-a8"):
             yield Case(f"grouped_linear wo_a {fmt} M={m} G={groups} N={group_rows} K={hidden}",
                        partial(_grouped_linear, ops, reference, m, groups, group_rows, hidden, fmt, tiny))
+    for tokens in ([1, 21] if tiny else [1, 16, 64, 8192]):
+        yield Case(f"router_logits T={tokens} E={experts}", partial(_router_logits, ops, tokens, hidden, experts))
     for tokens in ([1, 21] if tiny else [1, 64, 8192]):
         for hashed in (False, True):
             yield Case(f"route {'hash' if hashed else 'score'} T={tokens} E={experts} k={top_k}",
@@ -157,13 +159,25 @@ def _route(ops, reference, tokens, hidden, experts, top_k, hashed, gen, device):
     table = torch.rand(97, experts, device=device, generator=gen).topk(top_k, dim=-1).indices
     input_ids = torch.randint(0, 97, (tokens,), device=device, generator=gen)
     extra = {"tid2eid": table, "input_ids": input_ids} if hashed else {"bias": bias}
+    # the reference routes the kernel path's own product (`router_logits`, its own case): through an
+    # identity gate, which keeps it exact, so that a one-ulp difference in a logit cannot flip a pick
+    logits, identity = ops.router_logits(x, gate), torch.eye(experts, dtype=x.dtype, device=device)
 
-    def dense(o):
-        weights, ids = o.route(x, gate, top_k, 2.5, **extra)
+    def dense(routed):
+        weights, ids = routed
         return torch.zeros(tokens, experts, device=device).scatter_(1, ids, weights)
 
     nbytes = 2 * tokens * hidden + 2 * experts * hidden + 12 * tokens * top_k
-    return lambda: dense(ops), lambda: dense(reference), 2 * tokens * experts * hidden, nbytes, 1e-5, False
+    return (lambda: dense(ops.route(x, gate, top_k, 2.5, **extra)),
+            lambda: dense(reference.route(logits, identity, top_k, 2.5, **extra)),
+            2 * tokens * experts * hidden, nbytes, 1e-5, False)
+
+
+def _router_logits(ops, tokens, hidden, experts, gen, device):
+    x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
+    gate = (torch.randn(experts, hidden, device=device, generator=gen) / math.sqrt(hidden)).to(torch.bfloat16)
+    return (lambda: ops.router_logits(x, gate), lambda: torch.nn.functional.linear(x, gate),
+            2 * tokens * experts * hidden, 2 * (tokens + experts) * hidden + 2 * tokens * experts, LINEAR_TOL, False)
 
 
 def _compress(ops, reference, query_lens, width, ratio, overlap, gen, device):

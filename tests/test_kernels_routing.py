@@ -11,8 +11,9 @@ from kernel_checks import assert_matches
 from deepinfer_core.platform.kernel_ops import KernelOps
 from deepinfer_nvidia.ops import TritonOps
 
-# Both sides score the same float32 logits (the GEMM is the reference's own); they differ only by the
-# kernel's softplus (exp + a log1p series) and its summation order over k: a few float32 ulps.
+# Both sides score the same logits: the reference routes the kernel's product (`TritonOps.router_logits`,
+# tested below against the reference's) through an identity gate, which reproduces it exactly. They differ
+# only by the kernel's softplus (exp + a log1p series) and its summation order over k: a few float32 ulps.
 WEIGHT_TOL = 1e-5
 
 
@@ -37,8 +38,14 @@ def _assert_same_routing(got, expected, keys=None):
     assert_matches(weights, ref_weights, WEIGHT_TOL)
 
 
+def _reference_route(x, gate, *args, **kwargs):
+    """The reference routing of the logits the kernel path computed: those logits meet an identity gate."""
+    logits = TritonOps().router_logits(x, gate)
+    return KernelOps().route(logits, torch.eye(gate.shape[0], dtype=logits.dtype), *args, **kwargs)
+
+
 def _keys(x, gate, scoring_func, bias):
-    logits = torch.nn.functional.linear(x, gate).float()
+    logits = TritonOps().router_logits(x, gate).float()
     scores = {"sqrtsoftplus": lambda: torch.nn.functional.softplus(logits).sqrt(), "sigmoid": logits.sigmoid,
               "softmax": lambda: logits.softmax(-1)}[scoring_func]()
     return scores if bias is None else scores + bias
@@ -52,7 +59,7 @@ def test_score_routing_matches_reference(dtype, scoring_func, with_bias):
     bias = bias if with_bias else None
     args = (x, gate, 6, 2.5, scoring_func, bias)
     keys = _keys(x, gate, scoring_func, bias) if dtype == torch.bfloat16 else None
-    _assert_same_routing(TritonOps().route(*args), KernelOps().route(*args), keys)
+    _assert_same_routing(TritonOps().route(*args), _reference_route(*args), keys)
 
 
 def test_sqrtsoftplus_matches_across_the_threshold():
@@ -61,7 +68,7 @@ def test_sqrtsoftplus_matches_across_the_threshold():
     x, gate, bias, _ = _router(torch.float32, tokens=7, experts=64, seed=2, spread=4.0)
     logits = torch.nn.functional.linear(x, gate)
     assert logits.max() > 20 and logits.min() < -20
-    _assert_same_routing(TritonOps().route(x, gate, 8, 1.0, bias=bias), KernelOps().route(x, gate, 8, 1.0, bias=bias))
+    _assert_same_routing(TritonOps().route(x, gate, 8, 1.0, bias=bias), _reference_route(x, gate, 8, 1.0, bias=bias))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -70,7 +77,7 @@ def test_hash_routing_matches_reference(dtype):
     table = torch.stack([torch.randperm(24, generator=gen)[:4] for _ in range(50)])
     input_ids = torch.randint(0, 50, (11,), generator=gen)
     kwargs = {"tid2eid": table, "input_ids": input_ids}
-    _assert_same_routing(TritonOps().route(x, gate, 4, 1.5, **kwargs), KernelOps().route(x, gate, 4, 1.5, **kwargs))
+    _assert_same_routing(TritonOps().route(x, gate, 4, 1.5, **kwargs), _reference_route(x, gate, 4, 1.5, **kwargs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -80,6 +87,13 @@ def test_route_fp32_matches_reference(dtype, top_k):
     x, gate, bias, _ = _router(dtype, tokens=10, experts=40, seed=4 + top_k, spread=2.0)
     args = (x, gate, bias, top_k, 1.5, 1.7)
     _assert_same_routing(TritonOps().route_fp32(*args), KernelOps().route_fp32(*args))
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 17])
+def test_router_logits_match_reference(tokens):
+    """The router product: the Triton linear up to ROUTER_TRITON_ROWS bf16 rows, cuBLAS's past them."""
+    x, gate, _, _ = _router(torch.bfloat16, tokens=tokens, experts=48, seed=tokens)
+    assert_matches(TritonOps().router_logits(x, gate), torch.nn.functional.linear(x, gate), 1e-2)
 
 
 def test_route_is_batch_invariant():

@@ -19,7 +19,10 @@ from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
 from deepinfer_core.platform.row_tiles import row_tiled
 from deepinfer_nvidia.host_tables import device_readable
 
-__all__ = ["TritonOps"]
+__all__ = ["ROUTER_TRITON_ROWS", "TritonOps"]
+
+# `TritonOps.router_logits` takes the Triton linear up to this many rows.
+ROUTER_TRITON_ROWS = 16
 
 
 class TritonOps(KernelOps):
@@ -165,8 +168,18 @@ class TritonOps(KernelOps):
         # Fallback: more experts than one program holds, or k outside 1..E.
         if not self._routing_supported(gate_weight.shape[0], k):
             return super().route(x, gate_weight, top_k, routed_scaling_factor, scoring_func, bias, tid2eid, input_ids)
-        logits = torch.nn.functional.linear(x, gate_weight.to(x.dtype))
+        logits = self.router_logits(x, gate_weight)
         return self._route_logits(logits, top_k, routed_scaling_factor, scoring_func, bias, tid2eid, input_ids)
+
+    def router_logits(self, x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+        """`route`'s product x @ gate_weight.T in x.dtype: on the Triton linear for a decode step's few bf16
+        rows (it takes part in PDL; on an H200 4.2 against cuBLAS's 6.4 us at one row, 4.5 against 6.7 at
+        16, but 16.9 against 6.8 at 64: BENCHMARKS.md), on cuBLAS otherwise and in batch-invariant mode
+        (its row tiles)."""
+        gate_weight = gate_weight.to(x.dtype)
+        if x.dtype == torch.float32 or x.shape[0] > ROUTER_TRITON_ROWS or self.batch_invariant:
+            return torch.nn.functional.linear(x, gate_weight)
+        return self._linear(x, gate_weight, None, None, False, self._num_sms(x.device))
 
     @row_tiled("x")
     def route_fp32(
