@@ -107,7 +107,8 @@ class DecodeGraphs:
         return _Captured(inputs, self.memory.capture_graph(lambda: self._step_logits(inputs)))
 
     def _step_logits(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model.compute_logits(self.model.forward(batch, self.cache).hidden[batch.logits_indices])
+        # A plain decode step's logits rows are all its rows in order (`covers`): no gather of the hidden rows.
+        return self.model.compute_logits(self.model.forward(batch, self.cache).hidden)
 
     def _load(self, inputs: ForwardBatch, batch: ForwardBatch) -> None:
         """Copy the step into the static buffers; rows past it become padding again."""
