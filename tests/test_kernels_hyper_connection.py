@@ -25,14 +25,18 @@ def _streams(gen, t, n, d, dtype):
     return (torch.randn(t, n, d, generator=gen) * 2).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,n,d,iters,norm_eps", [(19, 4, 40, 20, 1e-6), (5, 2, 72, 3, 1e-20), (1, 4, 16, 1, 1e-6), (3, 4, 300, 20, 1e-6), (70, 4, 600, 20, 1e-6)])
-def test_hc_mix_matches_reference(dtype, t, n, d, iters, norm_eps):
-    gen = torch.Generator().manual_seed(t * 100 + n)
+def _mix_args(gen, t, n, d, dtype, norm_eps=1e-6, iters=20):
+    """(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters) of `hc_mix` / `hc_pre`."""
     streams = _streams(gen, t, n, d, dtype)
     fn = torch.randn((2 + n) * n, n * d, generator=gen) * 0.1
     base, scale = torch.randn((2 + n) * n, generator=gen) * 0.5, torch.rand(3, generator=gen) + 0.5
-    args = (streams, fn, base, scale, norm_eps, 1e-6, iters)
+    return streams, fn, base, scale, norm_eps, 1e-6, iters
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,n,d,iters,norm_eps", [(19, 4, 40, 20, 1e-6), (5, 2, 72, 3, 1e-20), (1, 4, 16, 1, 1e-6), (3, 4, 300, 20, 1e-6), (70, 4, 600, 20, 1e-6)])
+def test_hc_mix_matches_reference(dtype, t, n, d, iters, norm_eps):
+    args = _mix_args(torch.Generator().manual_seed(t * 100 + n), t, n, d, dtype, norm_eps, iters)
     for out, ref in zip(hc_mix(*args), KernelOps().hc_mix(*args)):
         assert_matches(out, ref, F32_TOL)
 
@@ -60,11 +64,7 @@ def test_hc_collapse_matches_reference(dtype):
 @pytest.mark.parametrize("t,d", [(1, 40), (6, 1100)])
 def test_hc_pre_norm_matches_reference(dtype, t, d):
     gen = torch.Generator().manual_seed(t + d)
-    n = 4
-    streams = _streams(gen, t, n, d, dtype)
-    fn = torch.randn((2 + n) * n, n * d, generator=gen) * 0.1
-    base, scale = torch.randn((2 + n) * n, generator=gen) * 0.5, torch.rand(3, generator=gen) + 0.5
-    args = (streams, fn, base, scale, 1e-6, 1e-6, 20, torch.rand(d, generator=gen) + 0.5, 1e-6)
+    args = (*_mix_args(gen, t, 4, d, dtype), torch.rand(d, generator=gen) + 0.5, 1e-6)
     for out, ref in zip(TritonOps().hc_pre_norm(*args), KernelOps().hc_pre_norm(*args)):
         assert_matches(out, ref, UPDATE_TOL[dtype])
 

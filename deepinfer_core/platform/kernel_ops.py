@@ -191,16 +191,8 @@ class KernelOps:
         return self.hc_collapse(streams, pre), post, comb
 
     def hc_pre_norm(
-        self,
-        streams: torch.Tensor,
-        fn: torch.Tensor,
-        base: torch.Tensor,
-        scale: torch.Tensor,
-        norm_eps: float,
-        hc_eps: float,
-        sinkhorn_iters: int,
-        input_weight: torch.Tensor,
-        input_eps: float,
+        self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+        hc_eps: float, sinkhorn_iters: int, input_weight: torch.Tensor, input_eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`hc_pre` followed by the block's input norm: (rms_norm(collapsed, input_weight, input_eps), post,
         comb). A backend may fuse the two (the collapsed input is rounded to streams.dtype before the norm
