@@ -153,8 +153,7 @@ def _grouped_linear(ops, reference, m, groups, rows, k, fmt, tiny, gen, device):
 
 def _route(ops, reference, tokens, hidden, experts, top_k, hashed, gen, device):
     """Weights scattered to [T, E], so the comparison does not depend on the order of equal picks."""
-    x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
-    gate = (torch.randn(experts, hidden, device=device, generator=gen) / math.sqrt(hidden)).to(torch.bfloat16)
+    x, gate = _router_inputs(tokens, hidden, experts, gen, device)
     bias = torch.randn(experts, device=device, generator=gen) * 0.1
     table = torch.rand(97, experts, device=device, generator=gen).topk(top_k, dim=-1).indices
     input_ids = torch.randint(0, 97, (tokens,), device=device, generator=gen)
@@ -173,9 +172,14 @@ def _route(ops, reference, tokens, hidden, experts, top_k, hashed, gen, device):
             2 * tokens * experts * hidden, nbytes, 1e-5, False)
 
 
-def _router_logits(ops, tokens, hidden, experts, gen, device):
+def _router_inputs(tokens, hidden, experts, gen, device):
+    """(x [T, D], the router's gate [E, D]) in bf16, the logits of order one."""
     x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
-    gate = (torch.randn(experts, hidden, device=device, generator=gen) / math.sqrt(hidden)).to(torch.bfloat16)
+    return x, (torch.randn(experts, hidden, device=device, generator=gen) / math.sqrt(hidden)).to(torch.bfloat16)
+
+
+def _router_logits(ops, tokens, hidden, experts, gen, device):
+    x, gate = _router_inputs(tokens, hidden, experts, gen, device)
     return (lambda: ops.router_logits(x, gate), lambda: torch.nn.functional.linear(x, gate),
             2 * tokens * experts * hidden, 2 * (tokens + experts) * hidden + 2 * tokens * experts, LINEAR_TOL, False)
 
