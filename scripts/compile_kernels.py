@@ -59,7 +59,8 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
         activations = "*fp8e4nv" if a8 else "*bf16"
         yield f"linear[{weight[1:]}{'-a8' if a8 else ''}]", linear._linear_kernel, _types(linear._linear_kernel, {
             "x_ptr": activations, "xs_ptr": "*fp32", "w_ptr": weight, "part_ptr": "*fp32", "counter_ptr": "*i32",
-            **byte_scales}), dict(scale, A8=a8, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128 if fmt == 1 else 64), 8, 3
+            **byte_scales}), dict(scale, A8=a8, ROUND_TO_X=False, BLOCK_M=128, BLOCK_N=128,
+                                  BLOCK_K=128 if fmt == 1 else 64), 8, 3
         # the MoE's fp4 stacks decode with one product (every real checkpoint's scales are at most 2); at
         # prefill sizes the fp4 checkpoints' fp8 shared expert runs apart (`fused_moe.shared_fusable`)
         moe_format = fused_moe.FP4_SMALL_SCALES if fmt == 2 else fmt
@@ -78,8 +79,8 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
     block_m, block_n, block_k, warps, stages = linear.tile_config(1, 1, one_row=True)
     yield "linear[fp8e4nv, one row]", linear._linear_kernel, _types(linear._linear_kernel, {
         "w_ptr": WEIGHT_TYPES[1], "xs_ptr": "*fp32", "part_ptr": "*fp32", "counter_ptr": "*i32", "s_ptr": "*u8"}), \
-        dict(FORMAT=1, SCALE_BN=128, SCALE_BK=128, IEEE=False, A8=False, BLOCK_M=block_m, BLOCK_N=block_n,
-             BLOCK_K=block_k), warps, stages
+        dict(FORMAT=1, SCALE_BN=128, SCALE_BK=128, IEEE=False, A8=False, ROUND_TO_X=False, BLOCK_M=block_m,
+             BLOCK_N=block_n, BLOCK_K=block_k), warps, stages
     # decode-sized fp4 steps: the fp8 shared expert in its own K loop of the same launches
     block_m, block_n, block_k, warps, stages = fused_moe.tile_config(448, 2, False)
     moe = dict(FORMAT=fused_moe.fp4_kernel_format(block_m), SCALE_BN=1, SCALE_BK=1, IEEE=False, A8=False, SHARED=True,

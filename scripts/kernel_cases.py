@@ -47,6 +47,10 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
         for m in ([1, 33] if tiny else [1, 64, 8192]):
             yield Case(f"linear {name} fp8 block=32x32 M={m} N={n} K={k}",
                        partial(_linear, ops, reference, m, n, k, "fp8", tiny, block=(32, 32)))
+    vocab = 101 if tiny else 129280
+    for m in ([1, 33] if tiny else [1, 64]):
+        yield Case(f"logits M={m} V={vocab} K={hidden}", partial(_logits, ops, reference, m, vocab, hidden))
+        yield Case(f"hc_embedding T={m} n=4 V={vocab} D={hidden}", partial(_hc_embedding, ops, reference, m, vocab, hidden))
     groups, group_rows = (2, 32) if tiny else (8, 1024)  # wo_a: o_groups x o_lora_rank, K = heads*dim/groups
     for m in ([1, 33] if tiny else [1, 64, 8192]):
         for fmt in ("bf16", "fp8", "fp8-a8"):
@@ -139,6 +143,22 @@ def _linear(ops, reference, m, n, k, fmt, tiny, gen, device, block=None):
     nbytes = 2 * m * k + bytes_per_weight * n * k + 2 * m * n
     return (lambda: ops.linear(x, weight, scale, block), lambda: reference.linear(x, weight, scale, block),
             2 * m * n * k, nbytes, LINEAR_TOL, ops.fp8_activations)
+
+
+def _logits(ops, reference, m, vocab, k, gen, device):
+    """The LM head: float32 logits of bf16 rows."""
+    x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(vocab, k, device=device, generator=gen) / math.sqrt(k)).to(torch.bfloat16)
+    return (lambda: ops.logits(x, w), lambda: reference.logits(x, w), 2 * m * vocab * k,
+            2 * m * k + 2 * vocab * k + 4 * m * vocab, LINEAR_TOL, False)
+
+
+def _hc_embedding(ops, reference, tokens, vocab, dim, gen, device):
+    """The streams' start: each token's row in four streams (exact, so the tolerance never matters)."""
+    ids = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
+    table = torch.randn(vocab, dim, device=device, generator=gen).to(torch.bfloat16)
+    return (lambda: ops.hc_embedding(ids, table, 4), lambda: reference.hc_embedding(ids, table, 4), 0,
+            2 * tokens * dim * 5, 0.0, False)
 
 
 def _grouped_linear(ops, reference, m, groups, rows, k, fmt, tiny, gen, device):

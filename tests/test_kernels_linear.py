@@ -57,6 +57,27 @@ def test_split_k_matches_reference(dtype, fmt):
     assert not _counters[x.device].any(), "the last arrival of each tile resets its counter"
 
 
+@pytest.mark.parametrize("num_sms", [None, 132])
+def test_float32_output_holds_the_product_rounded_to_x(num_sms):
+    """`out_dtype` (the LM head's float32 logits): bit for bit the bf16 output widened, with and without
+    split-K, and its values are not the unrounded float32 sums."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 1088, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(70, 1088, generator=gen) / 8).to(torch.bfloat16)
+    wide = linear(x, weight, None, None, num_sms=num_sms, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32
+    assert torch.equal(wide, linear(x, weight, None, None, num_sms=num_sms).float())
+    assert not torch.equal(wide, x.float() @ weight.float().T)
+
+
+def test_fp8_activations_refuse_a_wider_output():
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(2, 128, generator=gen).to(torch.bfloat16)
+    weight, scale, _ = _weight("fp8", 64, 128, gen, torch.bfloat16)
+    with pytest.raises(ValueError, match="fp8 activations"):
+        linear(x, weight, scale, (32, 64), fp8_activations=True, out_dtype=torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,splits", [(6, None), (70, None), (3, 132)])
 def test_fp8_activations_match_the_reference_rounding(dtype, m, splits):

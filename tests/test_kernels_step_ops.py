@@ -20,7 +20,7 @@ from deepinfer_kernels.kv_codes import fp4_block_dequantize, fp4_block_quantize,
 from deepinfer_kernels.indexer import indexer_topk
 from deepinfer_kernels.indexer_scores import indexer_scores
 from deepinfer_kernels.rope import rope
-from deepinfer_kernels.row_gather import gather_rows
+from deepinfer_kernels.row_gather import gather_row_copies, gather_rows
 
 # rope: cos/sin rounded to the dtype on both sides; float32 differs by libm ulps, bf16 by a rare flip.
 ROPE_TOL = {torch.float32: 1e-6, torch.bfloat16: 8e-3}
@@ -136,6 +136,16 @@ def test_gather_rows_is_exact(name):
     got = gather_rows(table, ids)
     assert got.dtype == table.dtype
     assert torch.equal(got.view(torch.uint8), KernelOps().gather_rows(table, ids).view(torch.uint8))
+
+
+@pytest.mark.parametrize("width", [24, 13, 2100])  # 32-bit words, bytes (13 bf16 = 26), two column programs
+def test_gather_row_copies_fill_every_stream(width):
+    """`hc_embedding` on the NVIDIA backend: each row in every copy, exact; 17 rows span several programs."""
+    gen = torch.Generator().manual_seed(width)
+    table = torch.randn(50, width, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, 50, (17,), generator=gen)
+    got = gather_row_copies(table, ids, 4)
+    assert torch.equal(got.view(torch.uint8), KernelOps().hc_embedding(ids, table, 4).view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -125,9 +125,20 @@ class KernelOps:
 
         return fake_quantize_fp8_activations(x, block[1])
 
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The LM head: `linear(hidden, weight)` (a dense weight [V, D]) as float32 [N, V], what sampling
+        reads. The values are the product rounded to hidden.dtype, then widened: a backend may write them in
+        the product's own pass instead of converting them after. Tolerance as `linear`."""
+        return self.linear(hidden, weight).float()
+
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Rows of `weight` [V, D] for int64 `ids` [T]; returns [T, D] in weight.dtype. Exact."""
         return torch.nn.functional.embedding(ids, weight)
+
+    def hc_embedding(self, ids: torch.Tensor, weight: torch.Tensor, streams: int) -> torch.Tensor:
+        """The mHC residual streams a model starts from: each token's `embedding` row in every one of
+        `streams` streams, [T, streams, D] in weight.dtype. Exact."""
+        return self.embedding(ids, weight).unsqueeze(1).expand(-1, streams, -1).contiguous()
 
     def gather_rows(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows of `table` [R, W] (any dtype; it may live in host memory, as V4.1's ~100 GB engram

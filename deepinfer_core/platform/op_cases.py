@@ -304,9 +304,18 @@ OP_CASES: list[OpCase] = [
         lambda g, dt: ((_randn(g, 9, 2, 48, dtype=dt), _randn(g, 2 * 24, 48, dtype=dt) / 10), {}),
         rtol=_TOL_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 3e-2},
     ),
+    OpCase(  # rows past one tile and an odd vocabulary, float32 out of either dtype
+        "logits", "lm_head",
+        lambda g, dt: ((_randn(g, 19, 96, dtype=dt), _randn(g, 101, 96, dtype=dt) / 10), {}),
+        rtol=_TOL_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 3e-2},
+    ),
     OpCase(
         "embedding", "rows",
         lambda g, dt: ((torch.randint(0, 50, (17,), generator=g), _randn(g, 50, 24, dtype=dt)), {}),
+    ),
+    OpCase(
+        "hc_embedding", "four_streams",
+        lambda g, dt: ((torch.randint(0, 50, (17,), generator=g), _randn(g, 50, 24, dtype=dt), 4), {}),
     ),
     OpCase("gather_rows", "host_table_repeated_ids", lambda g, dt: _gather_rows_inputs(g, dt, 40), host_args=(0,)),
     OpCase(

@@ -42,7 +42,7 @@ def _linear_kernel(
     stride_xg, stride_xsg, stride_wg, stride_sg, stride_yg,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
-    PDL: tl.constexpr,
+    ROUND_TO_X: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
     pid_m = tl.program_id(0)
@@ -69,7 +69,7 @@ def _linear_kernel(
     cells = offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SPLITS == 1:
-        tl.store(y_ptr + cells, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + cells, _output(acc, x_ptr, y_ptr, ROUND_TO_X), mask=mask)
     else:
         # The tile's last program to arrive adds the partial sums in split order (the same on every run)
         # and resets the tile's counter for the next launch: no reduction launch.
@@ -81,8 +81,17 @@ def _linear_kernel(
             for s in range(SPLITS):
                 # from L2 (.cg): this SM's L1 never holds another SM's partial
                 total += tl.load(part_ptr + s * stride_ysplit + cells, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptr + cells, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptr + cells, _output(total, x_ptr, y_ptr, ROUND_TO_X), mask=mask)
             tl.store(counter, 0)
+
+
+@triton.jit
+def _output(acc, x_ptr, y_ptr, ROUND_TO_X: tl.constexpr):
+    """The float32 sums as y stores them; ROUND_TO_X: rounded to x's dtype first, so that a wider y (float32
+    logits) holds exactly what a y in x's dtype would."""
+    if ROUND_TO_X:
+        acc = acc.to(x_ptr.dtype.element_ty)
+    return acc.to(y_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -191,18 +200,22 @@ def linear_supported(weight: torch.Tensor, block: tuple[int, int] | None, fp8_ac
 def linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
     batch_invariant: bool = False, num_sms: int | None = None, fp8_activations: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """y = x @ W.T. `num_sms`: the device's multiprocessors; given, launches with few output tiles split K
     (not in batch-invariant mode, whose K loop must not depend on the row count). `fp8_activations`:
-    an fp8 weight meets x quantised to fp8 (W8A8); other weights ignore it."""
+    an fp8 weight meets x quantised to fp8 (W8A8); other weights ignore it. `out_dtype`: y's dtype (x's by
+    default), holding the values rounded to x's dtype: linear(...).to(out_dtype) in the product's own pass."""
     k, n = x.shape[-1], weight.shape[0]
-    y = grouped_linear(x.reshape(-1, 1, k), weight, scale, block, batch_invariant, num_sms, fp8_activations)
+    y = grouped_linear(x.reshape(-1, 1, k), weight, scale, block, batch_invariant, num_sms, fp8_activations,
+                       out_dtype)
     return y.view(*x.shape[:-1], n)
 
 
 def grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
     batch_invariant: bool = False, num_sms: int | None = None, fp8_activations: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x [T, G, K], weight [G*N, K] -> y [T, G, N], y[:, g] = x[:, g] @ W[g*N:(g+1)*N].T, in one launch
     (arguments as in `linear`). fp8 groups hold whole scale blocks (N a multiple of block[0])."""
@@ -216,7 +229,7 @@ def grouped_linear(
     w, s = as_kernel_weight(weight.contiguous() if weight.stride(-1) != 1 else weight, scale)
     if fmt == 0 and w.dtype != x.dtype:
         w = w.to(x.dtype)
-    out = torch.empty((tokens, groups, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((tokens, groups, n), dtype=out_dtype or x.dtype, device=x.device)
     tiled_rows = BATCH_INVARIANT_ROWS if batch_invariant else tokens
     a8 = fp8_activations and fmt == 1
     one_row = one_row_tiles(tiled_rows, fmt, block, a8)
@@ -224,6 +237,8 @@ def grouped_linear(
     kernel_format = fmt
     if fmt == 1 and not a8:
         kernel_format, block_n, block_k = fp8_tiles(block, block_n, block_k)
+    if a8 and out.dtype != x.dtype:
+        raise ValueError(f"fp8 activations give y in x's dtype ({x.dtype}), not {out.dtype}")
     x_in, x_scales = x, w
     if a8:
         block_n, block_k = min(block_n, block[0]), block[1]  # one K tile = one activation group
@@ -249,7 +264,7 @@ def grouped_linear(
         out.stride(1),
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-        A8=a8, num_warps=warps, num_stages=stages, **launch_options(x.device),
+        A8=a8, ROUND_TO_X=out.dtype != x.dtype, num_warps=warps, num_stages=stages, **launch_options(x.device),
     )
     return out
 

@@ -66,6 +66,7 @@ class TritonOps(KernelOps):
         self._indexer_supported = indexer.indexer_supported
         self._store_window = cache_writes.store_window
         self._gather_rows = row_gather.gather_rows
+        self._gather_row_copies = row_gather.gather_row_copies
         self._compress_kv = compress_kv.compress_kv
         self._compress_supported = compress_kv.compress_supported
         self._kv_codes = kv_codes
@@ -110,6 +111,20 @@ class TritonOps(KernelOps):
         return self._grouped_linear(
             x, weight, scale, block, self.batch_invariant, self._num_sms(x.device), self.fp8_activations
         )
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # float32 straight from the product: no widening pass, which in a decode graph is a torch kernel
+        # outside PDL (4 us at batch 1 on an H200, BENCHMARKS.md)
+        return self._linear(
+            hidden, weight, None, None, self.batch_invariant, self._num_sms(hidden.device), self.fp8_activations,
+            torch.float32,
+        )
+
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._gather_rows(weight.contiguous(), ids)
+
+    def hc_embedding(self, ids: torch.Tensor, weight: torch.Tensor, streams: int) -> torch.Tensor:
+        return self._gather_row_copies(weight.contiguous(), ids, streams)
 
     def fused_moe(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   experts: Sequence[MlpWeights | None], shared: MlpWeights | None, swiglu_limit: float) -> torch.Tensor:

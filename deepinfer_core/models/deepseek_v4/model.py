@@ -89,8 +89,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, cache: DeepseekV4Cache) -> ModelOutput:
         c = self.config
         batch = self.step_rows.begin(batch)
-        embeds = self.ops.embedding(batch.input_ids, self.embed.weight)
-        streams = embeds.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
+        streams = self.ops.hc_embedding(batch.input_ids, self.embed.weight, c.hc_mult)
         for layer, layer_cache in zip(self.layers, cache.layers):
             streams = layer(streams, batch.input_ids, batch, layer_cache)
         head = self.ops.hc_head(
@@ -100,7 +99,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden).float()
+        return self.ops.logits(hidden, self.head.weight)
 
     @torch.no_grad()
     def mtp_forward(

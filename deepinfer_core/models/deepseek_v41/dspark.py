@@ -218,7 +218,7 @@ class DSpark(nn.Module):
     def markov(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         head = self.last.markov_head
         e = self.ops.embedding(prev, head.embed.weight)
-        return e, head.head(e).float()
+        return e, self.ops.logits(e, head.head.weight)
 
     def confidence(self, hidden: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         proj = self.last.confidence_head.proj

@@ -176,4 +176,4 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden).float()
+        return self.ops.logits(hidden, self.head.weight)
