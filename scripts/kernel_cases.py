@@ -73,6 +73,9 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
     for seqs, q_len, ctx in ([(3, 1, 60), (1, 30, 0)] if tiny else [(1, 1, 8192), (64, 1, 8192), (1, 4096, 0)]):
         yield Case(f"indexer_topk {'decode' if q_len == 1 else 'prefill'} S={seqs} q={q_len} ctx={ctx}",
                    partial(_indexer, ops, reference, seqs, q_len, ctx, tiny))
+    for rows in ([1, 5] if tiny else [1, 16, 64]):  # V4.1's decode picks: one row of scores a sequence
+        yield Case(f"top_entries T={rows} n={40 if tiny else 2048}",
+                   partial(_top_entries, ops, reference, rows, 40 if tiny else 2048, 13 if tiny else 512))
     for name, fmt in (("fp4 pair order", FP4_PAIR_ORDER), ("fp4", FP4_SMALL_SCALES)):  # an expert's w1
         yield Case(f"weight decode {name} N={inter} K={hidden}", partial(_weight_decode, fmt, inter, hidden))
     for tokens in ([1, 21] if tiny else [1, 16, 64, 8192]):
@@ -159,6 +162,14 @@ def _hc_embedding(ops, reference, tokens, vocab, dim, gen, device):
     table = torch.randn(vocab, dim, device=device, generator=gen).to(torch.bfloat16)
     return (lambda: ops.hc_embedding(ids, table, 4), lambda: reference.hc_embedding(ids, table, 4), 0,
             2 * tokens * dim * 5, 0.0, False)
+
+
+def _top_entries(ops, reference, rows, width, k, gen, device):
+    """Scores of 64 values (many ties) with a third of the entries unseen (-inf): ids compared exactly."""
+    scores = torch.randint(0, 64, (rows, width), device=device, generator=gen).float()
+    scores[torch.rand(rows, width, device=device, generator=gen) < 0.3] = float("-inf")
+    return (lambda: ops.top_entries(scores, k), lambda: reference.top_entries(scores, k), 0, 4 * rows * width, 0.0,
+            False)
 
 
 def _grouped_linear(ops, reference, m, groups, rows, k, fmt, tiny, gen, device):

@@ -138,6 +138,20 @@ def test_gather_rows_is_exact(name):
     assert torch.equal(got.view(torch.uint8), KernelOps().gather_rows(table, ids).view(torch.uint8))
 
 
+@pytest.mark.parametrize("ranked", [True, False])
+def test_top_entries_match_the_stable_sort(monkeypatch, ranked):
+    """`KernelOps.top_entries` on the NVIDIA backend, ranks in one launch or (past the comparison bound) a stable
+    sort, against the reference's: equal ids, ties to the lowest entry, -1 for -inf, narrower k than the row."""
+    from deepinfer_kernels import indexer
+
+    (scores, k), _ = _case_inputs("top_entries", "ties_and_unseen", torch.float32)
+    if not ranked:
+        monkeypatch.setattr(indexer, "_RANK_COMPARISONS", 0)
+    got = indexer.top_entries(scores, k)
+    assert torch.equal(got, KernelOps().top_entries(scores, k))
+    assert (got[3] == -1).all() and (got[0] >= 0).any()
+
+
 @pytest.mark.parametrize("width", [24, 13, 2100])  # 32-bit words, bytes (13 bf16 = 26), two column programs
 def test_gather_row_copies_fill_every_stream(width):
     """`hc_embedding` on the NVIDIA backend: each row in every copy, exact; 17 rows span several programs."""

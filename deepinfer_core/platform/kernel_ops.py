@@ -662,6 +662,12 @@ class KernelOps:
         """
         return (kv.float() * torch.softmax(gate.float(), dim=1)).sum(dim=1)
 
+    def top_entries(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """Each row's entries of its k highest scores (k <= the row width) by descending score, ties to the lowest
+        entry: int64 [T, k] for float scores [T, n], -1 where the score is -inf. Exact."""
+        ordered = torch.sort(scores, dim=-1, descending=True, stable=True)
+        return torch.where(ordered.values[:, :k] > float("-inf"), ordered.indices[:, :k], -1)
+
     def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
         """Lightning-indexer scores of queries against index keys (no masking).
 

@@ -94,6 +94,13 @@ def _hc_pre_inputs(gen, dt):
     return (streams, fn, _randn(gen, (2 + n) * n) * 0.5, torch.rand(3, generator=gen) + 0.5, 1e-6, 1e-6, 20), {}
 
 
+def _tied_scores(gen, dt):
+    scores = torch.randint(0, 8, (7, 40), generator=gen).to(dt)
+    scores[torch.rand(7, 40, generator=gen) < 0.3] = float("-inf")
+    scores[3] = float("-inf")
+    return scores
+
+
 def _hc_pre_norm_inputs(gen, dt):
     (streams, *rest), _ = _hc_pre_inputs(gen, dt)
     return (streams, *rest, torch.rand(streams.shape[-1], generator=gen) + 0.5, 1e-6), {}
@@ -308,6 +315,9 @@ OP_CASES: list[OpCase] = [
         "logits", "lm_head",
         lambda g, dt: ((_randn(g, 19, 96, dtype=dt), _randn(g, 101, 96, dtype=dt) / 10), {}),
         rtol=_TOL_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 3e-2},
+    ),
+    OpCase(  # many ties (scores of eight values), -inf entries, a row all -inf
+        "top_entries", "ties_and_unseen", lambda g, dt: ((_tied_scores(g, dt), 13), {}),
     ),
     OpCase(
         "embedding", "rows",

@@ -29,7 +29,7 @@ from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 from deepinfer_kernels.step_layout import sequence_end
 
-__all__ = ["indexer_topk", "indexer_supported", "tile_config"]
+__all__ = ["indexer_topk", "indexer_supported", "tile_config", "top_entries"]
 
 # Entries a tile of the decode score kernel.
 _DECODE_BLOCK_W = 64
@@ -216,13 +216,34 @@ def indexer_topk(
             h ** -0.5, di ** -0.5, w_tiles, DI=di, IEEE=q.dtype == torch.float32, BLOCK_Q=block_q, BLOCK_W=block_w,
             **launch_options(q.device),
         )
+    _rank_into(scores, out)
+    return out
+
+
+def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`KernelOps.top_entries`: int64 [T, k], each row's entries of the k highest scores by descending score, ties
+    to the lowest entry, -1 for a -inf score (and past the row's width)."""
+    t, width = scores.shape
+    # every slot below the width is written (`_rank_into`): only a row narrower than k needs its tail filled
+    out = torch.full((t, k), -1, dtype=torch.long, device=scores.device) if width < k else \
+        torch.empty((t, k), dtype=torch.long, device=scores.device)
+    if t and width:
+        _rank_into(scores.float().contiguous(), out)  # float32 and contiguous rows already in the models
+    return out
+
+
+def _rank_into(scores: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, k] <- each row's entries of scores [T, width] by descending score, ties to the lowest entry, -1 for
+    -inf: every entry's rank in one launch while T x width^2 comparisons stay small (a decode step), else a stable
+    sort."""
+    t, width = scores.shape
+    k = out.shape[1]
     if t * width * width <= _RANK_COMPARISONS:
         _rank_kernel[(t, triton.cdiv(width, _RANK_BLOCK_E))](
-            scores, out, width, topk, scores.stride(0), out.stride(0), BLOCK_E=_RANK_BLOCK_E, BLOCK_C=_RANK_BLOCK_C,
-            **launch_options(q.device),
+            scores, out, width, k, scores.stride(0), out.stride(0), BLOCK_E=_RANK_BLOCK_E, BLOCK_C=_RANK_BLOCK_C,
+            **launch_options(scores.device),
         )
-        return out
-    k = min(topk, width)
+        return
+    n = min(k, width)
     ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
-    out[:, :k] = torch.where(torch.isfinite(ranked[:, :k]), order[:, :k], -1)
-    return out
+    out[:, :n] = torch.where(ranked[:, :n] > float("-inf"), order[:, :n], -1)

@@ -63,6 +63,7 @@ class TritonOps(KernelOps):
         self._rope = rope.rope
         self._rope_supported = rope.rope_supported
         self._indexer_topk = indexer.indexer_topk
+        self._top_entries = indexer.top_entries
         self._indexer_supported = indexer.indexer_supported
         self._store_window = cache_writes.store_window
         self._gather_rows = row_gather.gather_rows
@@ -304,6 +305,10 @@ class TritonOps(KernelOps):
         if not self._indexer_supported(q, index_keys):
             return super().indexer_topk(q, head_weights, index_keys, ratio, topk, batch)
         return self._indexer_topk(q, head_weights, index_keys, ratio, topk, batch, self.batch_invariant)
+
+    def top_entries(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        # a decode step's rows rank in one launch (V4.1's picks: no sort, no torch kernels in its graph)
+        return self._top_entries(scores, k)
 
     def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
         # Fallback: the batch-invariant mode (the reference's row tiles reduce each row alone), index head dims

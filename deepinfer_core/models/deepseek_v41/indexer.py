@@ -35,15 +35,6 @@ def candidate_mask(scores: torch.Tensor, visible_counts: torch.Tensor, top_block
     return keep.repeat_interleave(block_size, dim=-1)[..., :n]
 
 
-def _top_entries(scores: torch.Tensor, k: int, stable: bool) -> torch.return_types.topk:
-    """Per row, the k best scores and their entries; `stable` (batch-invariant mode) breaks ties by the
-    lowest entry index instead of topk's unspecified order."""
-    if not stable:
-        return scores.topk(k, dim=-1)
-    ordered = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return torch.return_types.topk((ordered.values[:, :k], ordered.indices[:, :k]))
-
-
 class Indexer(nn.Module):
     """`wq_b`, `weights_proj`; on a KV source also `wk`, `k_norm` (keys from the pre-RoPE latent)."""
 
@@ -132,5 +123,8 @@ class Indexer(nn.Module):
             self.trace.record(trace_name, band.candidates[key])
         elif self.uses_candidates and key in band.candidates:
             scores = scores.masked_fill(~band.candidates[key], float("-inf"))
-        top = _top_entries(scores, min(self.topk, n_entries), stable)
+        k = min(self.topk, n_entries)
+        if stable:  # ties to the lowest entry index instead of topk's unspecified order
+            return self.ops.top_entries(scores, k)
+        top = scores.topk(k, dim=-1)
         return torch.where(top.values > float("-inf"), top.indices, -1)
