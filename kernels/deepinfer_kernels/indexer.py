@@ -186,14 +186,8 @@ def indexer_topk(
     device = q.device
     # the score width from the host (or the graph's bound); each sequence's entry count is read in the kernels
     width = batch.seq_len_bound // ratio if t else 0
-    # Both top-k paths write every slot below the score width (-1 for an invisible entry): only a row
-    # narrower than top-k needs its tail filled first, a launch saved on every other step.
-    if width < topk:
-        out = torch.full((t, topk), -1, dtype=torch.long, device=device)
-    else:
-        out = torch.empty((t, topk), dtype=torch.long, device=device)
     if t == 0 or width == 0:
-        return out
+        return torch.full((t, topk), -1, dtype=torch.long, device=device)
     decode_step = all(n == 1 for n in batch.query_lens_cpu)
     scores = torch.empty(t, width, dtype=torch.float32, device=device)
     # head weights may be a column view of a wider projection output (strided rows)
@@ -216,34 +210,30 @@ def indexer_topk(
             h ** -0.5, di ** -0.5, w_tiles, DI=di, IEEE=q.dtype == torch.float32, BLOCK_Q=block_q, BLOCK_W=block_w,
             **launch_options(q.device),
         )
-    _rank_into(scores, out)
-    return out
+    return top_entries(scores, topk)
 
 
 def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
     """`KernelOps.top_entries`: int64 [T, k], each row's entries of the k highest scores by descending score, ties
-    to the lowest entry, -1 for a -inf score (and past the row's width)."""
+    to the lowest entry, -1 for a -inf score (and past the row's width). Every entry's rank in one launch while
+    T x width^2 comparisons stay small (a decode step), else a stable sort."""
     t, width = scores.shape
-    # every slot below the width is written (`_rank_into`): only a row narrower than k needs its tail filled
-    out = torch.full((t, k), -1, dtype=torch.long, device=scores.device) if width < k else \
-        torch.empty((t, k), dtype=torch.long, device=scores.device)
-    if t and width:
-        _rank_into(scores.float().contiguous(), out)  # float32 and contiguous rows already in the models
-    return out
-
-
-def _rank_into(scores: torch.Tensor, out: torch.Tensor) -> None:
-    """out [T, k] <- each row's entries of scores [T, width] by descending score, ties to the lowest entry, -1 for
-    -inf: every entry's rank in one launch while T x width^2 comparisons stay small (a decode step), else a stable
-    sort."""
-    t, width = scores.shape
-    k = out.shape[1]
+    # Both paths write every slot below the width (-1 for a -inf score): only a row narrower than k needs its
+    # tail filled first, a launch saved on every other step.
+    if width < k:
+        out = torch.full((t, k), -1, dtype=torch.long, device=scores.device)
+    else:
+        out = torch.empty((t, k), dtype=torch.long, device=scores.device)
+    if t == 0 or width == 0:
+        return out
+    scores = scores.float().contiguous()  # already so in the models: no copy
     if t * width * width <= _RANK_COMPARISONS:
         _rank_kernel[(t, triton.cdiv(width, _RANK_BLOCK_E))](
             scores, out, width, k, scores.stride(0), out.stride(0), BLOCK_E=_RANK_BLOCK_E, BLOCK_C=_RANK_BLOCK_C,
             **launch_options(scores.device),
         )
-        return
+        return out
     n = min(k, width)
     ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
     out[:, :n] = torch.where(ranked[:, :n] > float("-inf"), order[:, :n], -1)
+    return out
