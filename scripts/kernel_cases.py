@@ -73,6 +73,9 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
     for seqs, q_len, ctx in ([(3, 1, 60), (1, 30, 0)] if tiny else [(1, 1, 8192), (64, 1, 8192), (1, 4096, 0)]):
         yield Case(f"indexer_topk {'decode' if q_len == 1 else 'prefill'} S={seqs} q={q_len} ctx={ctx}",
                    partial(_indexer, ops, reference, seqs, q_len, ctx, tiny))
+    for tokens in ([1, 9] if tiny else [1, 64, 8192]):  # V4.1's Engram injection: 4 streams of 5,120
+        yield Case(f"engram_gate T={tokens} n=4 D={96 if tiny else 5120}",
+                   partial(_engram_gate, ops, reference, tokens, 96 if tiny else 5120))
     for rows in ([1, 5] if tiny else [1, 16, 64]):  # V4.1's decode picks: one row of scores a sequence
         yield Case(f"top_entries T={rows} n={40 if tiny else 2048}",
                    partial(_top_entries, ops, reference, rows, 40 if tiny else 2048, 13 if tiny else 512))
@@ -162,6 +165,18 @@ def _hc_embedding(ops, reference, tokens, vocab, dim, gen, device):
     table = torch.randn(vocab, dim, device=device, generator=gen).to(torch.bfloat16)
     return (lambda: ops.hc_embedding(ids, table, 4), lambda: reference.hc_embedding(ids, table, 4), 0,
             2 * tokens * dim * 5, 0.0, False)
+
+
+def _engram_gate(ops, reference, tokens, dim, gen, device):
+    """key and value as row-strided views of one projection's output, as V4.1's Engram passes them."""
+    n = 4
+    streams = torch.randn(tokens, n, dim, device=device, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(tokens, n * dim + dim, device=device, generator=gen).to(torch.bfloat16)
+    key, value = kv[:, : n * dim].view(tokens, n, dim), kv[:, n * dim:]
+    weight = torch.rand(n, dim, device=device, generator=gen) + 0.5
+    args = (streams, key, value, weight, 1e-6)
+    return (lambda: ops.engram_gate(*args), lambda: reference.engram_gate(*args), 6 * tokens * n * dim,
+            2 * (3 * tokens * n * dim + tokens * dim), NORM_TOL, False)
 
 
 def _top_entries(ops, reference, rows, width, k, gen, device):

@@ -39,8 +39,8 @@ class TritonOps(KernelOps):
 
     def __init__(self) -> None:
         from deepinfer_kernels import (
-            cache_writes, compress_kv, fused_moe, hyper_connection, indexer, indexer_scores, kv_codes, linear, rms_norm,
-            rope, routing, row_gather, sparse_attention,
+            cache_writes, compress_kv, engram_gate, fused_moe, hyper_connection, indexer, indexer_scores, kv_codes, linear,
+            rms_norm, rope, routing, row_gather, sparse_attention,
         )
 
         self._rms_norm = rms_norm.rms_norm
@@ -64,6 +64,7 @@ class TritonOps(KernelOps):
         self._rope_supported = rope.rope_supported
         self._indexer_topk = indexer.indexer_topk
         self._top_entries = indexer.top_entries
+        self._engram_gate = engram_gate.engram_gate
         self._indexer_supported = indexer.indexer_supported
         self._store_window = cache_writes.store_window
         self._gather_rows = row_gather.gather_rows
@@ -305,6 +306,11 @@ class TritonOps(KernelOps):
         if not self._indexer_supported(q, index_keys):
             return super().indexer_topk(q, head_weights, index_keys, ratio, topk, batch)
         return self._indexer_topk(q, head_weights, index_keys, ratio, topk, batch, self.batch_invariant)
+
+    def engram_gate(
+        self, streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return self._engram_gate(streams, key, value, weight, eps)
 
     def top_entries(self, scores: torch.Tensor, k: int) -> torch.Tensor:
         # a decode step's rows rank in one launch (V4.1's picks: no sort, no torch kernels in its graph)
