@@ -72,12 +72,14 @@ class ForwardBatch:
     def row_sequences(self) -> torch.Tensor:
         """[T] int64: the sequence index of every row, built once per step on the device (every layer's
         attention, window store and compressor ask for it)."""
-        if self._row_sequences is None:
+        if self._row_sequences is not None:
+            return self._row_sequences
+        sequences = torch.arange(self.num_seqs, device=self.query_start_loc.device)
+        if any(n != 1 for n in self.query_lens_cpu):  # one token a sequence needs no scan: row i is sequence i
             counts = (self.query_start_loc[1:] - self.query_start_loc[:-1]).long()
-            self._row_sequences = torch.repeat_interleave(
-                torch.arange(self.num_seqs, device=counts.device), counts, output_size=self.num_tokens
-            )
-        return self._row_sequences
+            sequences = torch.repeat_interleave(sequences, counts, output_size=self.num_tokens)
+        self._row_sequences = sequences
+        return sequences
 
     @property
     def is_plain_decode(self) -> bool:
