@@ -40,6 +40,17 @@ def test_linear_matches_reference(dtype, fmt, m, n, k):
     assert_matches(out, KernelOps().linear(x, weight, scale, block), TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("num_sms", [None, 132])
+def test_float32_x_meets_a_bf16_weight_widened(num_sms):
+    """V4.1's float32 products of bf16 weights (compressor, router): the tiles widen as they load, exactly."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 320, generator=gen)
+    weight = (torch.randn(70, 320, generator=gen) / 8).to(torch.bfloat16)
+    out = linear(x, weight, None, None, num_sms=num_sms)
+    assert out.dtype == torch.float32
+    assert_matches(out, torch.nn.functional.linear(x, weight.float()), TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["dense", "fp8", "fp4"])
 def test_split_k_matches_reference(dtype, fmt):

@@ -90,10 +90,14 @@ def test_route_fp32_matches_reference(dtype, top_k):
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 17])
-def test_router_logits_match_reference(tokens):
-    """The router product: the Triton linear up to ROUTER_TRITON_ROWS bf16 rows, cuBLAS's past them."""
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_router_logits_match_reference(tokens, x_dtype):
+    """The router product: the Triton linear up to ROUTER_TRITON_ROWS rows, cuBLAS's past them; a float32 x
+    (`route_fp32`) meets the bf16 gate widened."""
     x, gate, _, _ = _router(torch.bfloat16, tokens=tokens, experts=48, seed=tokens)
-    assert_matches(TritonOps().router_logits(x, gate), torch.nn.functional.linear(x, gate), 1e-2)
+    x = x.to(x_dtype)
+    expected = torch.nn.functional.linear(x, gate.to(x_dtype))
+    assert_matches(TritonOps().router_logits(x, gate), expected, 1e-2 if x_dtype == torch.bfloat16 else 1e-6)
 
 
 def test_route_is_batch_invariant():

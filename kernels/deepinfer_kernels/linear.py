@@ -227,8 +227,8 @@ def grouped_linear(
         raise ValueError(f"fp8 groups of {n} rows would split the weight's {block[0]}-row scale blocks")
     x = x if x.stride(-1) == 1 else x.contiguous()
     w, s = as_kernel_weight(weight.contiguous() if weight.stride(-1) != 1 else weight, scale)
-    if fmt == 0 and w.dtype != x.dtype:
-        w = w.to(x.dtype)
+    if fmt == 0 and w.dtype != x.dtype and x.dtype != torch.float32:
+        w = w.to(x.dtype)  # a float32 x widens a dense weight's tiles as it loads them: no float32 copy a call
     out = torch.empty((tokens, groups, n), dtype=out_dtype or x.dtype, device=x.device)
     tiled_rows = BATCH_INVARIANT_ROWS if batch_invariant else tokens
     a8 = fp8_activations and fmt == 1

@@ -189,13 +189,12 @@ class TritonOps(KernelOps):
         return self._route_logits(logits, top_k, routed_scaling_factor, scoring_func, bias, tid2eid, input_ids)
 
     def router_logits(self, x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
-        """`route`'s product x @ gate_weight.T in x.dtype: on the Triton linear for a decode step's few bf16
-        rows (it takes part in PDL; on an H200 4.2 against cuBLAS's 6.4 us at one row, 4.5 against 6.7 at
-        16, but 16.9 against 6.8 at 64: BENCHMARKS.md), on cuBLAS otherwise and in batch-invariant mode
-        (its row tiles)."""
-        gate_weight = gate_weight.to(x.dtype)
-        if x.dtype == torch.float32 or x.shape[0] > ROUTER_TRITON_ROWS or self.batch_invariant:
-            return torch.nn.functional.linear(x, gate_weight)
+        """`route`'s product x @ gate_weight.T in x.dtype: on the Triton linear for a decode step's few rows (it
+        takes part in PDL; on an H200 4.2 against cuBLAS's 6.4 us at one bf16 row, 4.5 against 6.7 at 16, but
+        16.9 against 6.8 at 64: BENCHMARKS.md; a float32 x meets the bf16 weight without a float32 copy of it),
+        on cuBLAS otherwise and in batch-invariant mode (its row tiles)."""
+        if x.shape[0] > ROUTER_TRITON_ROWS or self.batch_invariant:
+            return torch.nn.functional.linear(x, gate_weight.to(x.dtype))
         return self._linear(x, gate_weight, None, None, False, self._num_sms(x.device))
 
     @row_tiled("x")
@@ -211,7 +210,7 @@ class TritonOps(KernelOps):
         # Fallback: more experts than one program holds, or k outside 1..E.
         if not self._routing_supported(gate_weight.shape[0], top_k):
             return super().route_fp32(x, gate_weight, bias, top_k, routed_scaling_factor, gate_temp)
-        logits = torch.nn.functional.linear(x.float(), gate_weight.float())
+        logits = self.router_logits(x.float(), gate_weight)
         return self._route_logits(
             logits, top_k, routed_scaling_factor, "sqrtsoftplus", bias, gate_temp=gate_temp, normalize=top_k > 1
         )
