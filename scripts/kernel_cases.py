@@ -25,6 +25,7 @@ LINEAR_TOL = 1e-2   # bf16 output rounding + float32 accumulation order over K u
 MOE_TOL = 3e-2      # + the reference's per-expert bf16 accumulation (the op's documented 3e-2)
 ATTENTION_TOL = 2e-2  # bf16 probabilities, rounded at different places (online softmax)
 NORM_TOL = 8e-3     # one bf16 output rounding
+FLOAT32_TOL = 1e-5  # float32 products: the accumulation order over K alone
 
 
 def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
@@ -47,6 +48,11 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
         for m in ([1, 33] if tiny else [1, 64, 8192]):
             yield Case(f"linear {name} fp8 block=32x32 M={m} N={n} K={k}",
                        partial(_linear, ops, reference, m, n, k, "fp8", tiny, block=(32, 32)))
+    # DeepSeek-V4.1's compressor: float32 x, its kv and gate projections' bf16 rows in one launch
+    for m in ([1, 33] if tiny else [1, 64, 8192]):
+        n, k = (64, 96) if tiny else (1024, 4096)
+        yield Case(f"linear compressor x=float32 bf16 M={m} N={n} K={k}",
+                   partial(_linear, ops, reference, m, n, k, "bf16", tiny, x_dtype=torch.float32))
     vocab = 101 if tiny else 129280
     for m in ([1, 33] if tiny else [1, 64]):
         yield Case(f"logits M={m} V={vocab} K={hidden}", partial(_logits, ops, reference, m, vocab, hidden))
@@ -57,7 +63,9 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
             yield Case(f"grouped_linear wo_a {fmt} M={m} G={groups} N={group_rows} K={hidden}",
                        partial(_grouped_linear, ops, reference, m, groups, group_rows, hidden, fmt, tiny))
     for tokens in ([1, 21] if tiny else [1, 16, 64, 8192]):
-        yield Case(f"router_logits T={tokens} E={experts}", partial(_router_logits, ops, tokens, hidden, experts))
+        for x_dtype in (torch.bfloat16, torch.float32):  # float32: DeepSeek-V4.1's route_fp32
+            yield Case(f"router_logits x={str(x_dtype)[6:]} T={tokens} E={experts}",
+                       partial(_router_logits, ops, tokens, hidden, experts, x_dtype))
     for tokens in ([1, 21] if tiny else [1, 64, 8192]):
         for hashed in (False, True):
             yield Case(f"route {'hash' if hashed else 'score'} T={tokens} E={experts} k={top_k}",
@@ -141,14 +149,14 @@ def _quantized(w: torch.Tensor, fmt: str, block: tuple[int, int]):
     return w.to(torch.bfloat16), None, None, 2.0
 
 
-def _linear(ops, reference, m, n, k, fmt, tiny, gen, device, block=None):
+def _linear(ops, reference, m, n, k, fmt, tiny, gen, device, block=None, x_dtype=torch.bfloat16):
     ops, reference = fresh_ops(type(ops), fmt), fresh_ops(type(reference), fmt)
-    x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, k, device=device, generator=gen).to(x_dtype)
     w = torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)
     weight, scale, block, bytes_per_weight = _quantized(w, fmt, block or ((32, 32) if tiny else (128, 128)))
-    nbytes = 2 * m * k + bytes_per_weight * n * k + 2 * m * n
+    nbytes = x.element_size() * m * (k + n) + bytes_per_weight * n * k
     return (lambda: ops.linear(x, weight, scale, block), lambda: reference.linear(x, weight, scale, block),
-            2 * m * n * k, nbytes, LINEAR_TOL, ops.fp8_activations)
+            2 * m * n * k, nbytes, LINEAR_TOL if x_dtype == torch.bfloat16 else FLOAT32_TOL, ops.fp8_activations)
 
 
 def _logits(ops, reference, m, vocab, k, gen, device):
@@ -224,10 +232,14 @@ def _router_inputs(tokens, hidden, experts, gen, device):
     return x, (torch.randn(experts, hidden, device=device, generator=gen) / math.sqrt(hidden)).to(torch.bfloat16)
 
 
-def _router_logits(ops, tokens, hidden, experts, gen, device):
+def _router_logits(ops, tokens, hidden, experts, x_dtype, gen, device):
+    """bf16 gate; a float32 x meets it widened (the reference: a float32 copy of the gate, then cuBLAS)."""
     x, gate = _router_inputs(tokens, hidden, experts, gen, device)
-    return (lambda: ops.router_logits(x, gate), lambda: torch.nn.functional.linear(x, gate),
-            2 * tokens * experts * hidden, 2 * (tokens + experts) * hidden + 2 * tokens * experts, LINEAR_TOL, False)
+    x = x.to(x_dtype)
+    size = x.element_size()
+    return (lambda: ops.router_logits(x, gate), lambda: torch.nn.functional.linear(x, gate.to(x_dtype)),
+            2 * tokens * experts * hidden, size * tokens * hidden + 2 * experts * hidden + size * tokens * experts,
+            LINEAR_TOL if x_dtype == torch.bfloat16 else FLOAT32_TOL, False)
 
 
 def _compress(ops, reference, query_lens, width, ratio, overlap, gen, device):
