@@ -40,11 +40,16 @@ def test_linear_matches_reference(dtype, fmt, m, n, k):
     assert_matches(out, KernelOps().linear(x, weight, scale, block), TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 17])
 @pytest.mark.parametrize("num_sms", [None, 132])
-def test_float32_x_meets_a_bf16_weight_widened(num_sms):
-    """V4.1's float32 products of bf16 weights (compressor, router): the tiles widen as they load, exactly."""
+def test_float32_x_meets_a_bf16_weight_widened(rows, num_sms):
+    """V4.1's float32 products of bf16 weights (compressor, router): up to FLOAT32_ROW_TILES rows on one-row
+    tiles, which widen the weight as they load it; more rows on the MMA tiles, of a float32 copy."""
+    from deepinfer_kernels.linear import FLOAT32_ROW_TILES, one_row_tiles
+
+    assert one_row_tiles(rows, 0, None, False, float32_x=True) == (rows <= FLOAT32_ROW_TILES)
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(3, 320, generator=gen)
+    x = torch.randn(rows, 320, generator=gen)
     weight = (torch.randn(70, 320, generator=gen) / 8).to(torch.bfloat16)
     out = linear(x, weight, None, None, num_sms=num_sms)
     assert out.dtype == torch.float32
@@ -156,7 +161,7 @@ def test_grouped_linear_with_fp8_activations_matches_reference():
 def test_one_row_meeting_an_fp8_weight_of_whole_block_tiles_takes_cuda_core_tiles():
     """One row of x and an fp8 weight whose blocks hold the tile (W8A16) take one-row tiles (the kernel's
     CUDA-core sums); more rows, other weights, smaller blocks, fp8 activations and batch-invariant mode
-    (tiles for BATCH_INVARIANT_ROWS whatever the rows) keep the MMA tiles."""
+    (tiles for BATCH_INVARIANT_ROWS whatever the rows) keep the MMA tiles (float32 rows: the test above)."""
     from deepinfer_kernels.linear import BATCH_INVARIANT_ROWS, one_row_tiles
 
     assert one_row_tiles(1, 1, (128, 128), False) and one_row_tiles(1, 1, (64, 128), False)

@@ -7,8 +7,8 @@ scaling the weight exactly. Float32 inputs use IEEE float32 dots (the contract a
 give ~3e-4). With `fp8_activations` an fp8 weight meets x quantised to fp8 (`activation_quant`, one pass
 before the product) on the fp8 tensor cores; a K tile is one weight block and one activation group, and
 each tile's product is a fresh float32 MMA result scaled and added to the accumulator, so no long fp8
-accumulation chain forms. One row of x meeting an fp8 weight (W8A16, a decode step at batch 1) runs on CUDA
-cores instead (`one_row_tiles`).
+accumulation chain forms. One row of x meeting an fp8 weight (W8A16, a decode step at batch 1), and a few
+float32 rows meeting a dense weight, run on CUDA cores instead, a program a row (`one_row_tiles`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ BATCH_INVARIANT_ROWS = 64
 _ARRIVAL_COUNTERS = 1024
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of one row on CUDA cores (`one_row_tiles`).
 ONE_ROW_TILE = (1, 64, 128, 4, 3)
+FLOAT32_ROW_TILES = 16
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -131,7 +132,7 @@ def _one_row_sums(
     x_ptr, w_ptr, s_ptr, n0, k_start, k_end, N, K, stride_wn, stride_sn,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """`_mma_sums` for one row of x and an fp8 weight (`one_row_tiles`), on CUDA cores in float32: each (column,
+    """`_mma_sums` for one row of x (`one_row_tiles`), on CUDA cores in float32: each (column,
     k lane) keeps its own sum over the K tiles, added across the lanes once at the end, so the loop is a
     conversion and a fused multiply-add a weight, with no operand shuffles (the MMA pads x to 16 rows and
     gathers its fragments). A whole block's power-of-two scale (FP8) scales x instead, exactly."""
@@ -162,11 +163,18 @@ def tile_config(m: int, fmt: int, one_row: bool = False) -> tuple[int, int, int,
     return block_m, block_n, block_k, warps, 4 if m <= 16 else 3
 
 
-def one_row_tiles(rows: int, fmt: int, block: tuple[int, int] | None, fp8_activations: bool) -> bool:
-    """Whether a launch takes `ONE_ROW_TILE` (`_one_row_sums`): one row of x meeting an fp8 weight whose scale
-    blocks hold that tile (W8A16; V4's 128 x 128). On an H200 a CSA layer's five fp8 projections at one row took
-    58.2 us so against 70.0 on the MMA tiles; V4.1's 32 x 32 blocks (a product more a weight), bf16 weights (the
-    LM head 376 against 244 us), W8A8 and 2-4 rows measured slower so (BENCHMARKS.md)."""
+def one_row_tiles(
+    rows: int, fmt: int, block: tuple[int, int] | None, fp8_activations: bool, float32_x: bool = False
+) -> bool:
+    """Whether a launch takes `ONE_ROW_TILE` (`_one_row_sums`), a program a row:
+    - one row of x meeting an fp8 weight whose scale blocks hold that tile (W8A16; V4's 128 x 128). On an H200 a
+      CSA layer's five fp8 projections at one row took 58.2 us so against 70.0 on the MMA tiles; V4.1's 32 x 32
+      blocks (a product more a weight), bf16 weights (the LM head 376 against 244 us), W8A8 and 2-4 rows
+      measured slower so (BENCHMARKS.md);
+    - up to FLOAT32_ROW_TILES float32 rows meeting a dense weight (V4.1's router and compressor at decode): the
+      IEEE float32 MMA tiles are slow at few rows, and CUDA cores widen a bf16 weight as they load it."""
+    if float32_x and fmt == 0:
+        return rows <= FLOAT32_ROW_TILES
     if rows != 1 or fmt != 1 or fp8_activations:
         return False
     return fp8_tiles(block, ONE_ROW_TILE[1], ONE_ROW_TILE[2])[0] == 1
@@ -227,12 +235,12 @@ def grouped_linear(
         raise ValueError(f"fp8 groups of {n} rows would split the weight's {block[0]}-row scale blocks")
     x = x if x.stride(-1) == 1 else x.contiguous()
     w, s = as_kernel_weight(weight.contiguous() if weight.stride(-1) != 1 else weight, scale)
-    if fmt == 0 and w.dtype != x.dtype and x.dtype != torch.float32:
-        w = w.to(x.dtype)  # a float32 x widens a dense weight's tiles as it loads them: no float32 copy a call
     out = torch.empty((tokens, groups, n), dtype=out_dtype or x.dtype, device=x.device)
     tiled_rows = BATCH_INVARIANT_ROWS if batch_invariant else tokens
     a8 = fp8_activations and fmt == 1
-    one_row = one_row_tiles(tiled_rows, fmt, block, a8)
+    one_row = one_row_tiles(tiled_rows, fmt, block, a8, x.dtype == torch.float32)
+    if fmt == 0 and w.dtype != x.dtype and not one_row:  # one-row tiles widen the weight as they load it
+        w = w.to(x.dtype)
     block_m, block_n, block_k, warps, stages = tile_config(tiled_rows, fmt, one_row)
     kernel_format = fmt
     if fmt == 1 and not a8:
