@@ -181,8 +181,9 @@ def _engram_gate(ops, reference, tokens, dim, gen, device):
     streams = torch.randn(tokens, n, dim, device=device, generator=gen).to(torch.bfloat16)
     kv = torch.randn(tokens, n * dim + dim, device=device, generator=gen).to(torch.bfloat16)
     key, value = kv[:, : n * dim].view(tokens, n, dim), kv[:, n * dim:]
-    weight = torch.rand(n, dim, device=device, generator=gen) + 0.5
-    args = (streams, key, value, weight, 1e-6)
+    q_weight = (torch.rand(n, dim, device=device, generator=gen) + 0.5).to(torch.bfloat16)
+    k_weight = torch.randn(n, dim, device=device, generator=gen).to(torch.bfloat16)
+    args = (streams, key, value, q_weight, k_weight, 1e-6)
     return (lambda: ops.engram_gate(*args), lambda: reference.engram_gate(*args), 6 * tokens * n * dim,
             2 * (3 * tokens * n * dim + tokens * dim), NORM_TOL, False)
 

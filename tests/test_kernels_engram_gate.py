@@ -24,9 +24,9 @@ def test_engram_gate_matches_reference_on_the_models_views(dtype):
     streams[2, 1] = 0.0
     kv = torch.randn(t, n * d + d, generator=gen).to(dtype)
     key, value = kv[:, : n * d].view(t, n, d), kv[:, n * d:]
-    weight = torch.rand(n, d, generator=gen) + 0.5
-    out = engram_gate(streams, key, value, weight, 1e-6)
-    expected = KernelOps().engram_gate(streams, key, value, weight, 1e-6)
+    q_weight, k_weight = (torch.rand(n, d, generator=gen) + 0.5).to(dtype), torch.randn(n, d, generator=gen).to(dtype)
+    out = engram_gate(streams, key, value, q_weight, k_weight, 1e-6)
+    expected = KernelOps().engram_gate(streams, key, value, q_weight, k_weight, 1e-6)
     assert out.dtype == streams.dtype
     assert_matches(out, expected, TOLERANCE[dtype])
     plain = (streams.float() + value.float().unsqueeze(1)).to(dtype)

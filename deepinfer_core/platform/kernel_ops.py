@@ -692,18 +692,20 @@ class KernelOps:
 
     @row_tiled("streams", "key", "value")
     def engram_gate(
-        self, streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, weight: torch.Tensor, eps: float
+        self, streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor,
+        k_weight: torch.Tensor, eps: float,
     ) -> torch.Tensor:
         """Engram injection: each stream adds the value, gated by its normalised match with its key.
 
-        streams, key [T, n, D]; value [T, D]; weight [n, D] float32 (q_weight * k_weight). In float32:
-        dot = sum_d X*weight*key * rsqrt(mean(X^2)+eps) * rsqrt(mean(key^2)+eps) * D^-0.5;
+        streams, key [T, n, D]; value [T, D]; q_weight, k_weight [n, D]. In float32, with weight = q_weight *
+        k_weight: dot = sum_d X*weight*key * rsqrt(mean(X^2)+eps) * rsqrt(mean(key^2)+eps) * D^-0.5;
         g = sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6))); out = X + g*value. Returns [T, n, D] streams.dtype.
         Tolerance: float32 1e-5, bfloat16 1e-2 relative.
         """
         h, k = streams.float(), key.float()
         rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(k.square().mean(-1) + eps)
-        dot = (h * weight.float() * k).sum(-1) * rstd * h.shape[-1] ** -0.5
+        weight = q_weight.float() * k_weight.float()
+        dot = (h * weight * k).sum(-1) * rstd * h.shape[-1] ** -0.5
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
         return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)
 

@@ -520,7 +520,7 @@ OP_CASES += [
     OpCase(
         "engram_gate", "two_streams",
         lambda g, dt: ((_randn(g, 7, 2, 48, dtype=dt), _randn(g, 7, 2, 48, dtype=dt), _randn(g, 7, 48, dtype=dt),
-                        torch.rand(2, 48, generator=g) + 0.5, 1e-20), {}),
+                        (torch.rand(2, 48, generator=g) + 0.5).to(dt), _randn(g, 2, 48, dtype=dt), 1e-20), {}),
         rtol=_TOL_RTOL, atol=_TOL_ATOL,
     ),
     # the KV formats are exact: codes, scales and dequantised values compare bit for bit

@@ -16,7 +16,7 @@ __all__ = ["engram_gate"]
 
 @triton.jit
 def _engram_gate_kernel(
-    s_ptr, key_ptr, value_ptr, weight_ptr, out_ptr, D, eps, scale, stride_st, stride_kt, stride_vt,
+    s_ptr, key_ptr, value_ptr, qw_ptr, kw_ptr, out_ptr, D, eps, scale, stride_st, stride_kt, stride_vt,
     N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
@@ -26,7 +26,9 @@ def _engram_gate_kernel(
     ok = cols < D
     x = tl.load(s_ptr + t * stride_st + j * D + cols, mask=ok, other=0.0).to(tl.float32)
     k = tl.load(key_ptr + t * stride_kt + j * D + cols, mask=ok, other=0.0).to(tl.float32)
-    w = tl.load(weight_ptr + j * D + cols, mask=ok, other=0.0)
+    # the product of the two weights here, as the reference forms it: no float32 copies a step
+    w = (tl.load(qw_ptr + j * D + cols, mask=ok, other=0.0).to(tl.float32)
+         * tl.load(kw_ptr + j * D + cols, mask=ok, other=0.0).to(tl.float32))
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps) * tl.rsqrt(tl.sum(k * k, axis=0) / D + eps)
     dot = tl.sum(x * w * k, axis=0) * rstd * scale
     root = tl.sqrt(tl.maximum(tl.abs(dot), 1e-6))
@@ -36,10 +38,11 @@ def _engram_gate_kernel(
 
 
 def engram_gate(
-    streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, weight: torch.Tensor, eps: float
+    streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+    eps: float,
 ) -> torch.Tensor:
     """`KernelOps.engram_gate`: streams, key [T, n, D] (key may be a row-strided view of a wider projection);
-    value [T, D] (likewise); weight [n, D] -> [T, n, D] in streams.dtype."""
+    value [T, D] (likewise); q_weight, k_weight [n, D] -> [T, n, D] in streams.dtype."""
     t, n, d = streams.shape
     streams = streams.contiguous()
     key = key if key.stride(2) == 1 and key.stride(1) == d else key.contiguous()
@@ -48,7 +51,7 @@ def engram_gate(
     if t:
         block = triton.next_power_of_2(d)
         _engram_gate_kernel[(t, n)](
-            streams, key, value, weight.float().contiguous(), out, d, eps, d ** -0.5, streams.stride(0), key.stride(0),
+            streams, key, value, q_weight.contiguous(), k_weight.contiguous(), out, d, eps, d ** -0.5, streams.stride(0), key.stride(0),
             value.stride(0), N=n, BLOCK_D=block, num_warps=8 if block >= 2048 else 4, **launch_options(streams.device),
         )
     return out

@@ -307,9 +307,10 @@ class TritonOps(KernelOps):
         return self._indexer_topk(q, head_weights, index_keys, ratio, topk, batch, self.batch_invariant)
 
     def engram_gate(
-        self, streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, weight: torch.Tensor, eps: float
+        self, streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor,
+        k_weight: torch.Tensor, eps: float,
     ) -> torch.Tensor:
-        return self._engram_gate(streams, key, value, weight, eps)
+        return self._engram_gate(streams, key, value, q_weight, k_weight, eps)
 
     def top_entries(self, scores: torch.Tensor, k: int) -> torch.Tensor:
         # a decode step's rows rank in one launch (V4.1's picks: no sort, no torch kernels in its graph)

@@ -252,6 +252,5 @@ class Engram(nn.Module):
         kv = self.wkv(rows.to(streams.dtype))
         key = kv[:, : self.hc_mult * self.hidden].view(-1, self.hc_mult, self.hidden)
         value = kv[:, self.hc_mult * self.hidden:]
-        weight = self.q_weight.float() * self.k_weight.float()
-        out = self.ops.engram_gate(streams, key, value, weight, self.eps)
+        out = self.ops.engram_gate(streams, key, value, self.q_weight, self.k_weight, self.eps)
         return out if dead_rows is None else out.index_copy(0, dead_rows, streams[dead_rows])
