@@ -84,6 +84,8 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
     for tokens in ([1, 9] if tiny else [1, 64, 8192]):  # V4.1's Engram injection: 4 streams of 5,120
         yield Case(f"engram_gate T={tokens} n=4 D={96 if tiny else 5120}",
                    partial(_engram_gate, ops, reference, tokens, 96 if tiny else 5120))
+    for rows in ([1, 9] if tiny else [1, 64, 8192]):  # V4.1's Engram hash ids: the release's 2 layers of 4-grams
+        yield Case(f"ngram_hash T={rows} N=4 L=2 H=8", partial(_ngram_hash, ops, reference, rows))
     for rows in ([1, 5] if tiny else [1, 16, 64]):  # V4.1's decode picks: one row of scores a sequence
         yield Case(f"top_entries T={rows} n={40 if tiny else 2048}",
                    partial(_top_entries, ops, reference, rows, 40 if tiny else 2048, 13 if tiny else 512))
@@ -186,6 +188,22 @@ def _engram_gate(ops, reference, tokens, dim, gen, device):
     args = (streams, key, value, q_weight, k_weight, 1e-6)
     return (lambda: ops.engram_gate(*args), lambda: reference.engram_gate(*args), 6 * tokens * n * dim,
             2 * (3 * tokens * n * dim + tokens * dim), NORM_TOL, False)
+
+
+def _ngram_hash(ops, reference, rows, gen, device):
+    """The release's hash layout (2 layers, 4-grams, 8 heads, 16M-bucket primes) over compressed ids, a tenth
+    of the shifts DEAD (padded from there on): ids compared exactly."""
+    from deepinfer_core.models.deepseek_v41.engram_layout import engram_multipliers, engram_offsets, engram_primes
+
+    n, compressed_vocab = 4, 99092
+    primes = engram_primes((1, 14), n, 8, 16000000)
+    multipliers = torch.from_numpy(engram_multipliers((1, 14), n, compressed_vocab)).to(device)
+    primes, offsets = torch.tensor(primes, device=device), torch.tensor(engram_offsets(primes), device=device)
+    tokens = torch.randint(0, compressed_vocab, (rows, n), device=device, generator=gen)
+    tokens[torch.rand(rows, n, device=device, generator=gen) < 0.1] = -1
+    args = (tokens, 2, multipliers, primes, offsets)
+    return (lambda: ops.ngram_hash(*args), lambda: reference.ngram_hash(*args), 0,
+            8 * (rows * n + rows * offsets.numel()), 0.0, False)
 
 
 def _top_entries(ops, reference, rows, width, k, gen, device):

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, models
 from deepinfer_core.model_config import ModelConfigError
 from deepinfer_core.models.deepseek_v41 import parse_deepseek_v41_config
 from deepinfer_core.models.deepseek_v41.engram import DEAD, EngramHasher, build_compressed_token_map
+from deepinfer_core.platform.kernel_ops import KernelOps
 from v41_fixtures import CONFIGS, FIXTURES, model
 
 RELEASE_TEXT = {"vocab_size": 129280, "num_hidden_layers": 40, "engram_layer_ids": [1, 14],
@@ -86,7 +87,7 @@ def test_hash_ids_match_the_spec_across_steps(name: str) -> None:
     config = model(name, "bf16").config.text_config
     token_map = list(torch.randperm(config.vocab_size, generator=torch.Generator().manual_seed(3)).tolist())
     token_map = [t % config.engram_compressed_vocab_size for t in token_map]
-    hasher = EngramHasher(config, token_map)
+    hasher = EngramHasher(config, KernelOps(), token_map)
     ids = torch.randint(0, config.vocab_size, (23,), generator=torch.Generator().manual_seed(4))
     history = torch.full((2, config.engram_max_ngram_size - 1), 12345, dtype=torch.int64)  # stale slot content
     got = []
@@ -103,7 +104,8 @@ def test_batched_step_equals_one_sequence_at_a_time() -> None:
     from deepinfer_core.models.forward_batch import ForwardBatch
 
     config = model("a_release_like", "bf16").config.text_config
-    hasher = EngramHasher(config, [t % config.engram_compressed_vocab_size for t in range(config.vocab_size)])
+    token_map = [t % config.engram_compressed_vocab_size for t in range(config.vocab_size)]
+    hasher = EngramHasher(config, KernelOps(), token_map)
     gen = torch.Generator().manual_seed(5)
     lookback = config.engram_max_ngram_size - 1
     history = torch.randint(0, config.engram_compressed_vocab_size, (5, lookback), generator=gen)
@@ -125,7 +127,7 @@ def test_batched_step_equals_one_sequence_at_a_time() -> None:
 
 def test_dead_history_pads_every_longer_ngram() -> None:
     config = model("a_release_like", "bf16").config.text_config
-    hasher = EngramHasher(config, list(range(config.vocab_size)))
+    hasher = EngramHasher(config, KernelOps(), list(range(config.vocab_size)))
     history = torch.tensor([DEAD, 9, DEAD])  # N = 4: ids at t-3, t-2, t-1
     tokens = hasher.ngram_tokens(history, torch.tensor([5, 6]))
     pad = config.engram_pad_id
@@ -159,7 +161,6 @@ def _batch(ids: torch.Tensor, context: int, slot: int):
 
 def test_quantized_table_rows_are_gathered_on_the_host_and_dequantized() -> None:
     from deepinfer_core.models.deepseek_v41 import DeepseekV41ForCausalLM
-    from deepinfer_core.platform.kernel_ops import KernelOps
     from deepinfer_core.quantization import dequantize_fp8_block, quantize_fp8_block
 
     raw = json.loads((FIXTURES / "a_release_like" / "checkpoint" / "config.json").read_text())

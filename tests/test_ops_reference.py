@@ -237,3 +237,32 @@ def test_linear_dequantises_and_grouped_linear_is_block_diagonal() -> None:
     got = OPS.grouped_linear(xg, wg)
     torch.testing.assert_close(got[:, 1], xg[:, 1] @ wg[6:].T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[:, 0], xg[:, 0] @ wg[:6].T, rtol=1e-5, atol=1e-5)
+
+
+def test_ngram_hash_pads_from_the_first_dead_shift_and_hashes_each_row_by_definition() -> None:
+    """The release's layout (2 layers, 4-grams, 8 heads, 16M-bucket primes); rows DEAD at the first shift,
+    in the middle with live tokens after it (padded too: the n-gram reaches past the start), nowhere, everywhere."""
+    from deepinfer_core.models.deepseek_v41.engram_layout import engram_multipliers, engram_offsets, engram_primes
+
+    n, heads, pad, compressed_vocab = 4, 8, 2, 99092
+    primes = engram_primes((1, 3), n, heads, 16000000)
+    multipliers = engram_multipliers((1, 3), n, compressed_vocab).tolist()
+    offsets = engram_offsets(primes)
+    tokens = torch.randint(0, compressed_vocab, (6, n), generator=gen(9))
+    tokens[0, 0] = tokens[1, 2] = tokens[3, 1] = -1
+    tokens[4] = -1
+    got = OPS.ngram_hash(tokens, pad, torch.tensor(multipliers), torch.tensor(primes), torch.tensor(offsets))
+    want = []
+    for row in tokens.tolist():
+        dead_from = row.index(-1) if -1 in row else n
+        padded = row[:dead_from] + [pad] * (n - dead_from)
+        per_layer = []
+        for layer_multipliers, layer_primes, layer_offsets in zip(multipliers, primes, offsets):
+            rolling, ids = padded[0] * layer_multipliers[0], []
+            for shift in range(1, n):
+                rolling ^= padded[shift] * layer_multipliers[shift]
+                ids += [rolling % prime for prime in layer_primes[shift - 1]]
+            per_layer.append([i + offset for i, offset in zip(ids, layer_offsets)])
+        want.append(per_layer)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, torch.tensor(want))

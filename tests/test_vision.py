@@ -284,7 +284,7 @@ def test_image_rows_route_with_bias_vl() -> None:
 def test_span_tokens_are_dead_for_the_engram(make_batch) -> None:
     """A span token's n-grams are all pad; the text after a span sees pad from the span on."""
     config = parse_deepseek_v41_config(make_tiny_v41_config()).text_config
-    hasher = EngramHasher(config, list(range(config.vocab_size)))
+    hasher = EngramHasher(config, KernelOps(), list(range(config.vocab_size)))
     history = torch.zeros(1, config.engram_max_ngram_size - 1, dtype=torch.int64)
     ids = torch.tensor([0, 5, 127, 127, 127, 9, 10])
     batch = make_batch([(ids, 0, 0, [0])])

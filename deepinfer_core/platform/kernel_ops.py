@@ -23,7 +23,7 @@ import torch
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.row_tiles import in_row_tiles, row_tiled
 
-__all__ = ["KernelOps", "MlpWeights", "pool_gated_windows"]
+__all__ = ["KernelOps", "MlpWeights", "padded_ngrams", "pool_gated_windows"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -709,6 +709,26 @@ class KernelOps:
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
         return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)
 
+    def ngram_hash(
+        self, tokens: torch.Tensor, pad_id: int, multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """Engram hash ids: each row's n-grams, padded, hashed into every engram layer's table of every head.
+
+        tokens int64 [q, N] n-gram tokens, shift-major (column s: the token s positions back), -1 (DEAD) at
+        a position before the sequence's start; from a row's first DEAD column on, every column is `pad_id`
+        (`padded_ngrams`). multipliers int64 [L, N]; primes int64 [L, N-1, H]; offsets int64 [L, (N-1)*H].
+        In int64 (the layout keeps every product non-negative and below 2^63): rolling_n = XOR over s <= n
+        of padded[:, s] * multipliers[l, s]; the n-gram of length n+1 (n >= 1) gives rolling_n %
+        primes[l, n-1, h] for each head h. Returns int64 [q, L, (N-1)*H]: those ids n-major then head, plus
+        offsets. Exact.
+        """
+        products = padded_ngrams(tokens, pad_id)[:, None, :] * multipliers[None]  # [q, L, N]
+        rolling, ids = products[..., 0], []
+        for n in range(1, tokens.shape[1]):
+            rolling = torch.bitwise_xor(rolling, products[..., n])
+            ids.append(rolling.unsqueeze(-1) % primes[None, :, n - 1])
+        return torch.cat(ids, dim=-1) + offsets[None]
+
     def fp8_block_quantize(self, x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
         """V4.1 window-KV format: e4m3 values with one power-of-two (ue8m0) scale per `block` channels.
 
@@ -904,6 +924,13 @@ def _pool_windows(
     """Softmax-gated pooling of windows `windows`; kv/gate rows are positions first_pos.. ."""
     own = windows[:, None] * ratio + torch.arange(ratio, device=kv.device)[None, :] - first_pos
     return pool_gated_windows(kv.__getitem__, gate.__getitem__, own, windows > 0, ape, ratio, overlap, width)
+
+
+def padded_ngrams(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """n-gram tokens [q, N] (shift-major) with `pad_id` from each row's first DEAD (-1) column on: an n-gram
+    that reaches before its sequence's start is padded from there (`KernelOps.ngram_hash`)."""
+    dead = torch.cummax((tokens == -1).to(torch.int64), dim=1).values.bool()
+    return tokens.masked_fill(dead, pad_id)
 
 
 def pool_gated_windows(

@@ -484,6 +484,22 @@ def _v41_paged_read_inputs(gen, dt, fmt):
     return (*parts, dt), {"rows": torch.randint(0, 15, (4, 7), generator=gen)}
 
 
+def _v41_ngram_hash_inputs(gen, dt):
+    """The release's hash layout (2 layers, 4-grams, 8 heads); rows DEAD at the first shift, in the middle
+    (live ids after it), nowhere and everywhere, the rest at random."""
+    from deepinfer_core.models.deepseek_v41.engram_layout import engram_multipliers, engram_offsets, engram_primes
+
+    n, compressed_vocab = 4, 99092
+    primes = engram_primes((1, 3), n, 8, 16000000)
+    tokens = torch.randint(0, compressed_vocab, (11, n), generator=gen)
+    tokens[torch.rand(11, n, generator=gen) < 0.15] = -1
+    tokens[:4] = torch.randint(0, compressed_vocab, (4, n), generator=gen)
+    tokens[0, 0] = tokens[1, 2] = -1
+    tokens[3] = -1
+    multipliers = torch.from_numpy(engram_multipliers((1, 3), n, compressed_vocab))
+    return (tokens, 2, multipliers, torch.tensor(primes), torch.tensor(engram_offsets(primes))), {}
+
+
 OP_CASES += [
     OpCase("hc_mix", "sinkhorn_eps_1e-20", _v41_hc_mix_inputs, rtol=_TOL_RTOL, atol=_TOL_ATOL),
     OpCase(
@@ -523,6 +539,8 @@ OP_CASES += [
                         (torch.rand(2, 48, generator=g) + 0.5).to(dt), _randn(g, 2, 48, dtype=dt), 1e-20), {}),
         rtol=_TOL_RTOL, atol=_TOL_ATOL,
     ),
+    # integer ids, compared exactly; the op takes no float input to vary the dtype of (int64 labels the one run)
+    OpCase("ngram_hash", "dead_shifts", _v41_ngram_hash_inputs, dtypes=(torch.int64,)),
     # the KV formats are exact: codes, scales and dequantised values compare bit for bit
     OpCase("fp8_block_quantize", "binades", lambda g, dt: ((_v41_quant_input(g, dt),), {})),
     OpCase("fp8_block_dequantize", "binades", _v41_fp8_dequant_inputs),

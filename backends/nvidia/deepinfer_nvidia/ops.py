@@ -39,8 +39,8 @@ class TritonOps(KernelOps):
 
     def __init__(self) -> None:
         from deepinfer_kernels import (
-            cache_writes, compress_kv, engram_gate, fused_moe, hyper_connection, indexer, indexer_scores, kv_codes, linear,
-            rms_norm, rope, routing, row_gather, sparse_attention,
+            cache_writes, compress_kv, engram_gate, engram_hash, fused_moe, hyper_connection, indexer, indexer_scores,
+            kv_codes, linear, rms_norm, rope, routing, row_gather, sparse_attention,
         )
 
         self._rms_norm = rms_norm.rms_norm
@@ -65,6 +65,7 @@ class TritonOps(KernelOps):
         self._indexer_topk = indexer.indexer_topk
         self._top_entries = indexer.top_entries
         self._engram_gate = engram_gate.engram_gate
+        self._ngram_hash = engram_hash.ngram_hash
         self._indexer_supported = indexer.indexer_supported
         self._store_window = cache_writes.store_window
         self._gather_rows = row_gather.gather_rows
@@ -311,6 +312,11 @@ class TritonOps(KernelOps):
         k_weight: torch.Tensor, eps: float,
     ) -> torch.Tensor:
         return self._engram_gate(streams, key, value, q_weight, k_weight, eps)
+
+    def ngram_hash(
+        self, tokens: torch.Tensor, pad_id: int, multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        return self._ngram_hash(tokens, pad_id, multipliers, primes, offsets)
 
     def top_entries(self, scores: torch.Tensor, k: int) -> torch.Tensor:
         # a decode step's rows rank in one launch (V4.1's picks: no sort, no torch kernels in its graph)

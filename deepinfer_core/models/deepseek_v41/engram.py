@@ -18,6 +18,7 @@ from torch import nn
 
 from deepinfer_core.models.deepseek_v4.linear import empty_param
 from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_core.platform.kernel_ops import KernelOps, padded_ngrams
 from deepinfer_core.quantization import dequantize_fp8_block
 
 from .config import DeepseekV41TextConfig
@@ -87,7 +88,7 @@ class EngramHasher:
     History per slot: the compressed ids of the N-1 positions before the step (DEAD before the start).
     For position t and shift s, the n-gram token is the id at t-s, or the pad id once any shift <= s
     is DEAD. Hash of the n-gram ending at shift n: XOR over s <= n of id_s * multiplier_s (int64), mod
-    each head's prime, plus the head's table offset.
+    each head's prime, plus the head's table offset. Padding and hashing are one op, `KernelOps.ngram_hash`.
 
     `step` runs where the history lives (the model's device): it reads the step's token ids there, so a
     step that feeds back the token still being sampled hashes it without the host waiting for it. Only
@@ -95,11 +96,11 @@ class EngramHasher:
     decode step, hashed from the device tensors alone).
     """
 
-    def __init__(self, config: DeepseekV41TextConfig, token_map: list[int]) -> None:
+    def __init__(self, config: DeepseekV41TextConfig, ops: KernelOps, token_map: list[int]) -> None:
         c = config
         if len(token_map) < c.vocab_size:
             raise ValueError(f"compressed token map covers {len(token_map)} ids, fewer than vocab_size {c.vocab_size}")
-        self.ngram = c.engram_max_ngram_size
+        self.ops, self.ngram = ops, c.engram_max_ngram_size
         self.token_map = torch.tensor(token_map, dtype=torch.int64)  # host: look-backs rebuilt from host tokens
         self.pad_id = token_map[c.engram_pad_id]
         primes = engram_primes(c.engram_layer_ids, c.engram_max_ngram_size, c.engram_n_heads, c.engram_vocab_size)
@@ -125,14 +126,15 @@ class EngramHasher:
         return row
 
     def ngram_tokens(self, history: torch.Tensor, new_ids: torch.Tensor) -> torch.Tensor:
-        """[q, N] n-gram tokens (shift-major) of q new compressed ids after `history` [N-1]."""
-        return self._ngrams(history[None], new_ids, [new_ids.shape[0]])[0]
+        """[q, N] n-gram tokens (shift-major, padded) of q new compressed ids after `history` [N-1]."""
+        return padded_ngrams(self._ngrams(history[None], new_ids, [new_ids.shape[0]])[0], self.pad_id)
 
     def _ngrams(
         self, before: torch.Tensor, new_ids: torch.Tensor, query_lens: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """For sequences with look-backs `before` [S, N-1] and new ids `new_ids` [T] (query_lens[s] each,
-        concatenated): their n-gram tokens [T, N] and each sequence's look-back after them [S, N-1].
+        concatenated): their n-gram tokens [T, N] (DEAD where before a start, not padded) and each
+        sequence's look-back after them [S, N-1].
         One pass over the whole batch: a per-sequence loop costs ~0.25 ms a sequence on the host.
         The positions are planned on the host (they depend only on `query_lens`) and sent in one copy."""
         lookback, num_tokens = self.ngram - 1, new_ids.shape[0]
@@ -153,17 +155,12 @@ class EngramHasher:
         joined = torch.empty(int(joined_len.sum()), dtype=torch.int64, device=new_ids.device)
         joined[old_at] = before.flatten()
         joined[new_at] = new_ids
-        return self._padded(joined[ngram_at].view(num_tokens, self.ngram)), joined[tail_at].view(before.shape)
+        return joined[ngram_at].view(num_tokens, self.ngram), joined[tail_at].view(before.shape)
 
     def hash(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[q, N] n-gram tokens -> [q, L, (N-1)*heads] table row ids."""
+        """[q, N] n-gram tokens (DEAD where before a start: the op pads them) -> [q, L, (N-1)*heads] table row ids."""
         k = self._on(tokens.device)
-        products = tokens[:, None, :] * k.multipliers[None]  # [q, L, N]
-        rolling, ids = products[..., 0], []
-        for n in range(1, self.ngram):
-            rolling = torch.bitwise_xor(rolling, products[..., n])
-            ids.append(rolling.unsqueeze(-1) % k.primes[None, :, n - 1])
-        return torch.cat(ids, dim=-1) + k.offsets[None]
+        return self.ops.ngram_hash(tokens, self.pad_id, k.multipliers, k.primes, k.offsets)
 
     def step(
         self,
@@ -197,12 +194,7 @@ class EngramHasher:
     def _decode_ngrams(self, before: torch.Tensor, new_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`_ngrams` of one new id a sequence: the look-back then the id, read newest first."""
         joined = torch.cat([before, new_ids[:, None]], dim=1)  # [S, N], oldest first
-        return self._padded(joined.flip(1)), joined[:, 1:]
-
-    def _padded(self, tokens: torch.Tensor) -> torch.Tensor:
-        """n-gram tokens [q, N] (shift-major) with the pad id from the first DEAD shift on."""
-        dead = torch.cummax((tokens == DEAD).to(torch.int64), dim=1).values.bool()
-        return tokens.masked_fill(dead, self.pad_id)
+        return joined.flip(1), joined[:, 1:]
 
 
 def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:

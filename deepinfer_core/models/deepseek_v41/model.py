@@ -115,7 +115,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         return spans
 
     def bind_token_map(self, token_map: list[int]) -> None:
-        self.hasher = EngramHasher(self.config.text_config, token_map)
+        self.hasher = EngramHasher(self.config.text_config, self.ops, token_map)
 
     def bind_tokenizer_dir(self, checkpoint_dir: str | Path) -> None:
         self.bind_token_map(load_compressed_token_map(checkpoint_dir, self.config.text_config))
