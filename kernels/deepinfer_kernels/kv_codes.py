@@ -199,8 +199,10 @@ def _fp4_decode_kernel(
     tl.store(out_ptr + row64 * (2 * pairs) + col[None, :], values.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
-def _grid(rows: int) -> tuple[int]:
-    return (triton.cdiv(rows, ROWS_PER_PROGRAM),)
+def _rows_per_program(rows: int) -> int:
+    """ROWS_PER_PROGRAM, or the next power of two of fewer rows: a program computes all of its rows, used or
+    not, and a decode step brings one entry a sequence."""
+    return min(ROWS_PER_PROGRAM, triton.next_power_of_2(rows))
 
 
 def fp8_block_quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,9 +212,10 @@ def fp8_block_quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     exponents = torch.empty((*x.shape[:-1], width // block), dtype=torch.uint8, device=x.device)
     if rows and width:
-        _fp8_encode_kernel[_grid(rows)](
+        per_program = _rows_per_program(rows)
+        _fp8_encode_kernel[(triton.cdiv(rows, per_program),)](
             x.contiguous(), codes, exponents, rows, width, N_BLOCKS=triton.next_power_of_2(width // block),
-            BLOCK=block, ROWS=ROWS_PER_PROGRAM, **launch_options(x.device),
+            BLOCK=block, ROWS=per_program, **launch_options(x.device),
         )
     return codes.view(torch.float8_e4m3fn), exponents
 
@@ -233,10 +236,11 @@ def fp8_block_dequantize(
     out, n_rows, row_ids = _output(values, width, dtype, rows)
     if n_rows and width:
         block = width // exponents.shape[-1]
-        _fp8_decode_kernel[_grid(n_rows)](
+        per_program = _rows_per_program(n_rows)
+        _fp8_decode_kernel[(triton.cdiv(n_rows, per_program),)](
             values.contiguous().view(torch.uint8), exponents.contiguous(), row_ids, out, n_rows, width,
             GATHER=rows is not None, N_BLOCKS=triton.next_power_of_2(width // block), BLOCK=block,
-            ROWS=ROWS_PER_PROGRAM, **launch_options(values.device),
+            ROWS=per_program, **launch_options(values.device),
         )
     return out
 
@@ -249,9 +253,10 @@ def fp4_block_quantize(x: torch.Tensor, block: int, scale_format: str) -> tuple[
     packed = torch.empty((*x.shape[:-1], width // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty((*x.shape[:-1], width // block), dtype=torch.uint8, device=x.device)
     if rows and width:
-        _fp4_encode_kernel[_grid(rows)](
+        per_program = _rows_per_program(rows)
+        _fp4_encode_kernel[(triton.cdiv(rows, per_program),)](
             x.contiguous(), packed, scales, rows, width, E4M3=scale_format == "e4m3",
-            N_BLOCKS=triton.next_power_of_2(width // block), BLOCK=block, ROWS=ROWS_PER_PROGRAM,
+            N_BLOCKS=triton.next_power_of_2(width // block), BLOCK=block, ROWS=per_program,
             **launch_options(x.device),
         )
     return packed, scales.view(torch.float8_e4m3fn) if scale_format == "e4m3" else scales
@@ -267,9 +272,10 @@ def fp4_block_dequantize(
     if n_rows == 0 or pairs == 0:
         return out
     block = 2 * pairs // n_scales
-    _fp4_decode_kernel[_grid(n_rows)](
+    per_program = _rows_per_program(n_rows)
+    _fp4_decode_kernel[(triton.cdiv(n_rows, per_program),)](
         packed.contiguous(), scales.contiguous().view(torch.uint8), row_ids, out, n_rows, pairs, n_scales,
         GATHER=rows is not None, PAIRS_PER_SCALE=block // 2, E4M3=scales.dtype == torch.float8_e4m3fn,
-        ROWS=ROWS_PER_PROGRAM, BLOCK_P=triton.next_power_of_2(pairs), **launch_options(packed.device),
+        ROWS=per_program, BLOCK_P=triton.next_power_of_2(pairs), **launch_options(packed.device),
     )
     return out
