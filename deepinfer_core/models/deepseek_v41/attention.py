@@ -33,14 +33,18 @@ _LOCAL_TABLES = "of a V4.1 step renumbered onto its decoded copies (ForwardState
 
 class ForwardState:
     """Per-forward state carried from layer to layer: the open band, the step's batch renumbered
-    onto the decoded copies of its slots (0..S-1) and blocks (row-major over its block tables), and
-    the rows that are image-span tokens (int64 on the device, or None)."""
+    onto the decoded copies of its slots (0..S-1) and blocks (row-major over its block tables), the
+    rows that are image-span tokens (int64 on the device, or None), and where the step's slots lie in
+    the window rings (every layer's ring has one shape, so the first layer's addressing serves all)."""
 
-    __slots__ = ("band", "local", "image_rows")
+    __slots__ = ("band", "local", "image_rows", "ring_rows", "ring_writes")
 
     def __init__(self, batch: ForwardBatch) -> None:
         self.band: BandState | None = None
         self.image_rows: torch.Tensor | None = None
+        self.ring_rows: torch.Tensor | None = None  # the slots' ring vectors, flat ids [S, W]
+        # a plain decode step's (slot, ring row) of each token's K=V
+        self.ring_writes: tuple[torch.Tensor, torch.Tensor] | None = None
         n_seqs, width = batch.block_tables.shape
         tables = torch.arange(n_seqs * width, dtype=torch.int32, device=batch.block_tables.device).view(n_seqs, width)
         self.local = replace(
@@ -89,9 +93,14 @@ class Attention(nn.Module):
         band = state.band if self.ratio else None
         attend = band is not None and band.selected is not None
         window = cache.windows[self.layer]
+        if state.ring_rows is None:
+            slots = batch.slot_ids.to(torch.long)
+            state.ring_rows = window.rows((slots,))
+            if batch.is_plain_decode:  # one position a sequence: its context length
+                state.ring_writes = (slots, batch.context_lens.to(torch.long) % window.parts[0].shape[1])
         # NOTE: the reference ops read plain tensors, so the step's slots and blocks are decoded first (in a
         # plain decode step, only the selected entries); a fused kernel reads the fp8/fp4 codes directly.
-        ring = window.read(ops, (batch.slot_ids.to(torch.long),))
+        ring = window.read_rows(ops, state.ring_rows)
         entries, local = None, state.local
         if attend and batch.is_plain_decode:
             entries, tables = picked_entries(ops, band, batch)
@@ -102,7 +111,7 @@ class Attention(nn.Module):
             q, kv, ring, self.attn_sink, self.head_dim**-0.5, local, self.inv_freq,
             entries=entries, ratio=self.ratio, selected=band.selected if attend else None,
         )
-        store_in_ring(self.ops, kv, batch, window)
+        store_in_ring(self.ops, kv, batch, window, state.ring_writes)
         grouped = ops.grouped_linear(out.view(out.shape[0], self.o_groups, -1), self.wo_a.weight, self.wo_a.scale,
                                      self.wo_a.block)
         return self.wo_b(grouped.flatten(1))
@@ -122,11 +131,17 @@ class Attention(nn.Module):
         write_entries(self.ops, band.cache.index_keys, batch, new.seq_index, new.entry_ids, keys)
 
 
-def store_in_ring(ops, kv: torch.Tensor, batch: ForwardBatch, window: StoredTensor) -> None:
-    """Each sequence's last min(q, W) positions p of the step go to ring row p % W of its slot."""
+def store_in_ring(
+    ops, kv: torch.Tensor, batch: ForwardBatch, window: StoredTensor,
+    decode_writes: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Each sequence's last min(q, W) positions p of the step go to ring row p % W of its slot.
+    `decode_writes`: a plain decode step's (slot, ring row) of each token, if already built."""
     ring = window.parts[0].shape[1]
     if batch.is_plain_decode:  # one position a sequence: its context length
-        window.write(ops, (batch.slot_ids.to(torch.long), batch.context_lens.to(torch.long) % ring), kv)
+        if decode_writes is None:
+            decode_writes = (batch.slot_ids.to(torch.long), batch.context_lens.to(torch.long) % ring)
+        window.write(ops, decode_writes, kv)
         return
     slots, rows, offsets = [], [], []
     start = 0

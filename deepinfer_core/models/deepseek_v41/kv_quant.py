@@ -129,9 +129,13 @@ class StoredTensor:
         """Decoded values at `index` (advanced indexing over the leading dims), read where they lie: the
         decode gathers the vectors itself (a paged read's gather of each part first cost one slow torch
         index kernel a part, and a copy)."""
-        return self.fmt.decode(ops, self.parts, self.dtype, rows=self._rows(index))
+        return self.read_rows(ops, self.rows(index))
 
-    def _rows(self, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def read_rows(self, ops: KernelOps, rows: torch.Tensor) -> torch.Tensor:
+        """Decoded values of the vectors `rows` (flat ids over the leading dims, as `rows(index)` gives them)."""
+        return self.fmt.decode(ops, self.parts, self.dtype, rows=rows)
+
+    def rows(self, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The flat vector ids that `part[index]` would read, in its result's shape (minus the width)."""
         leading = self.parts[0].shape[:-1]
         rows = None
