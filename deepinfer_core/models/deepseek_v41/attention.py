@@ -96,8 +96,8 @@ class Attention(nn.Module):
         if state.ring_rows is None:
             slots = batch.slot_ids.to(torch.long)
             state.ring_rows = window.rows((slots,))
-            if batch.is_plain_decode:  # one position a sequence: its context length
-                state.ring_writes = (slots, batch.context_lens.to(torch.long) % window.parts[0].shape[1])
+            if batch.is_plain_decode:
+                state.ring_writes = decode_ring_writes(batch, window, slots)
         # NOTE: the reference ops read plain tensors, so the step's slots and blocks are decoded first (in a
         # plain decode step, only the selected entries); a fused kernel reads the fp8/fp4 codes directly.
         ring = window.read_rows(ops, state.ring_rows)
@@ -136,13 +136,11 @@ def store_in_ring(
     decode_writes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Each sequence's last min(q, W) positions p of the step go to ring row p % W of its slot.
-    `decode_writes`: a plain decode step's (slot, ring row) of each token, if already built."""
-    ring = window.parts[0].shape[1]
-    if batch.is_plain_decode:  # one position a sequence: its context length
-        if decode_writes is None:
-            decode_writes = (batch.slot_ids.to(torch.long), batch.context_lens.to(torch.long) % ring)
-        window.write(ops, decode_writes, kv)
+    `decode_writes`: a plain decode step's `decode_ring_writes`, if already built."""
+    if batch.is_plain_decode:
+        window.write(ops, decode_writes or decode_ring_writes(batch, window, batch.slot_ids.to(torch.long)), kv)
         return
+    ring = window.parts[0].shape[1]
     slots, rows, offsets = [], [], []
     start = 0
     for slot, n_q, ctx in zip(batch.slot_ids_cpu, batch.query_lens_cpu, batch.context_lens_cpu):
@@ -153,3 +151,10 @@ def store_in_ring(
         start += n_q
     if start:
         window.write(ops, (torch.cat(slots), torch.cat(offsets)), kv[torch.cat(rows)])
+
+
+def decode_ring_writes(
+    batch: ForwardBatch, window: StoredTensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A plain decode step's (slot, ring row) of each token's K=V: one position a sequence, its context length."""
+    return slots, batch.context_lens.to(torch.long) % window.parts[0].shape[1]
