@@ -92,10 +92,9 @@ class Indexer(nn.Module):
         query scores its own sequence's keys, entries it cannot see score -inf. The top-k is always the
         stable one, so that a row's picks do not depend on how far past its entries the bound reaches."""
         n_entries = batch.seq_len_bound // self.ratio
-        selected = torch.full((q.shape[0], self.topk), -1, dtype=torch.long, device=q.device)
         if n_entries == 0:
-            return selected
-        tables, rows = batch.block_tables.clamp(min=0), q.shape[0]
+            return torch.full((q.shape[0], self.topk), -1, dtype=torch.long, device=q.device)
+        tables, rows = batch.block_tables, q.shape[0]  # unallocated (-1) blocks: `paged_rows` reads block 0
         chunk = max(1, DECODE_SCORE_ELEMENTS // (n_entries * (self.head_dim + self.n_heads)))
         if chunk >= rows:
             if band.index_keys is None:  # decoded once a step for the band's index sources
@@ -108,8 +107,9 @@ class Indexer(nn.Module):
                                         head_weights[s:s + chunk])
                 for s in range(0, rows, chunk)
             ])
-        picks = self._picks(scores, batch.positions, band, DECODE_ROWS, f"candidates.layer{self.layer}", stable=True)
-        selected[:, : picks.shape[1]] = picks
+        selected = self._picks(scores, batch.positions, band, DECODE_ROWS, f"candidates.layer{self.layer}", stable=True)
+        if selected.shape[1] < self.topk:  # fewer entries than picks under the bound: -1 the rest
+            selected = torch.nn.functional.pad(selected, (0, self.topk - selected.shape[1]), value=-1)
         self.trace.record(f"index_topk.layer{self.layer}", selected)
         return selected
 
