@@ -254,6 +254,26 @@ def test_paged_decode_gathers_rows_as_the_reference(fmt):
     assert torch.equal(decode(*parts, torch.bfloat16, rows=rows), reference)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp4_e4m3", "fp4_ue8m0"])
+def test_paged_encode_writes_rows_as_the_reference(fmt):
+    """Encoding into `rows` of a paged pool [blocks, per_block, ...] (a cache write) writes what the reference
+    writes there, bit for bit, and leaves every other vector as it was."""
+    gen = torch.Generator().manual_seed(5)
+    args = (32,) if fmt == "fp8" else ((16, "e4m3") if fmt == "fp4_e4m3" else (32, "ue8m0"))
+    encode = fp8_block_quantize if fmt == "fp8" else fp4_block_quantize
+    pool = getattr(KernelOps(), encode.__name__)(_binades(gen, 6, 4, 256), *args)
+    x, rows = _binades(gen, 9, 256).to(torch.bfloat16), torch.randperm(24, generator=gen)[:9]
+    ours = encode(x, *args, out=tuple(part.clone() for part in pool), rows=rows)
+    reference = getattr(KernelOps(), encode.__name__)(x, *args, out=tuple(part.clone() for part in pool), rows=rows)
+    for got, expected, before in zip(ours, reference, pool):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+        kept = torch.ones(24, dtype=torch.bool)
+        kept[rows] = False
+        assert torch.equal(got.view(torch.uint8).flatten(0, 1)[kept], before.view(torch.uint8).flatten(0, 1)[kept])
+    with pytest.raises(ValueError, match="both or neither"):
+        encode(x, *args, rows=rows)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_row", [True, False])
 @pytest.mark.parametrize("n_heads", [4, 24])

@@ -35,6 +35,20 @@ def test_every_model_op_has_a_conformance_case() -> None:
     assert set(MODEL_OPS) <= covered
 
 
+def test_paged_rows_find_each_entry_in_its_block() -> None:
+    """Entry e of sequence s lies at offset e % 4 of block tables[s, e // 4]: its vector of a [blocks, 4] pool."""
+    tables = torch.tensor([[5, 2, -1], [0, 7, 3]], dtype=torch.int32)
+    ids = torch.tensor([[0, 5, 7, -1], [11, 4, 1, 8]])
+    assert OPS.paged_rows(tables, ids, 4).tolist() == [[20, 9, 11, 20], [15, 28, 1, 12]]
+    assert OPS.paged_rows(tables, torch.tensor([[9]]).expand(2, 1), 4).tolist() == [[1], [13]]  # block -1: 0
+
+
+def test_selection_tables_send_picks_to_their_rows() -> None:
+    """Sequence 1's picks 4 and 0 are rows 2 and 3 of the picked entries; the rest, and -1's column, row 4."""
+    tables = OPS.selection_tables(torch.tensor([[2, -1], [4, 0]]), 5)
+    assert tables.dtype == torch.int32 and tables.tolist() == [[4, 4, 0, 4, 4, 4], [3, 4, 4, 4, 2, 4]]
+
+
 def test_rope_is_a_complex_rotation_of_the_trailing_pairs() -> None:
     g = gen()
     x, positions = randn(g, 5, 3, 20), torch.tensor([0, 3, 17, 250, 9999])

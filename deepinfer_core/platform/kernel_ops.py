@@ -729,19 +729,48 @@ class KernelOps:
             ids.append(rolling.unsqueeze(-1) % primes[None, :, n - 1])
         return torch.cat(ids, dim=-1) + offsets[None]
 
-    def fp8_block_quantize(self, x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    def paged_rows(self, block_tables: torch.Tensor, ids: torch.Tensor, per_block: int) -> torch.Tensor:
+        """Where paged cache entries lie: entry ids[s, j] of sequence s is vector block * per_block + ids %
+        per_block, block = block_tables[s, ids // per_block], of a pool [num_blocks, per_block, ...] flattened
+        over its leading dims (the `rows` of a paged read or write). block_tables [S, W] int32 or int64, ids
+        [S, k] int64 within the tables; negative ids and blocks count as 0 (readers mask what those give,
+        writers write allocated entries only). Returns int64 [S, k]. Exact."""
+        ids = ids.clamp(min=0)
+        blocks = block_tables.to(torch.long).gather(1, ids // per_block).clamp(min=0)
+        return blocks * per_block + ids % per_block
+
+    def selection_tables(self, selected: torch.Tensor, n_entries: int) -> torch.Tensor:
+        """Block tables of a decode step's picked entries, one entry a block (for `sparse_attention` over the picks
+        alone): entry selected[s, j] of sequence s goes to row s * k + j; every other entry, and column n_entries
+        (where -1 picks point), to row S * k. selected [S, k] int64, a row's ids distinct (-1 = none) and below
+        n_entries. Returns int32 [S, n_entries + 1]. Exact."""
+        n_seqs, k = selected.shape
+        none = n_seqs * k
+        tables = torch.full((n_seqs, n_entries + 1), none, dtype=torch.int32, device=selected.device)
+        rows = torch.arange(none, dtype=torch.int32, device=selected.device).view(n_seqs, k)
+        picked = selected >= 0
+        return tables.scatter_(1, torch.where(picked, selected, n_entries), torch.where(picked, rows, none))
+
+    def fp8_block_quantize(
+        self, x: torch.Tensor, block: int = 32, out: tuple[torch.Tensor, ...] | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """V4.1 window-KV format: e4m3 values with one power-of-two (ue8m0) scale per `block` channels.
 
         x [..., d] float (d % block == 0). Per block, in float32: s = 2^ceil(log2(max(amax, 1e-4) *
         fp32(1/448))) (exponent bits, +1 if the mantissa is non-zero); values = e4m3(clamp(x/s, +-448)).
         Returns (values float8_e4m3fn [..., d], exponents uint8 [..., d/block] = log2(s) + 127). Exact.
+
+        With `out` (contiguous parts of that format, any leading dims) and distinct int64 `rows` [N] (x [N, d]),
+        the codes go to those vectors of the parts flattened over their leading dims (a paged cache write) and
+        `out` is returned.
         """
         blocks = x.float().unflatten(-1, (-1, block))
         amax = blocks.abs().amax(-1).clamp_min(1e-4)
         exponent = _ceil_log2(amax * (1.0 / 448.0))
         scale = torch.exp2(exponent.float()).unsqueeze(-1)
         values = (blocks / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-        return values.flatten(-2), (exponent + 127).to(torch.uint8)
+        return _stored((values.flatten(-2), (exponent + 127).to(torch.uint8)), out, rows)
 
     def fp8_block_dequantize(
         self, values: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor | None = None
@@ -758,7 +787,8 @@ class KernelOps:
         return (values.float().unflatten(-1, (-1, block)) * scale).flatten(-2).to(dtype)
 
     def fp4_block_quantize(
-        self, x: torch.Tensor, block: int, scale_format: str
+        self, x: torch.Tensor, block: int, scale_format: str, out: tuple[torch.Tensor, ...] | None = None,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """V4.1 fp4 formats: e2m1 codes, one scale per `block` channels.
 
@@ -768,6 +798,7 @@ class KernelOps:
         0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0; a tie at 0.25, 1.25, 2.5, 5.0 rounds down, at 0.75, 1.75,
         3.5 up (even code); sign bit (code bit 3) from signbit. Returns (codes uint8 [..., d/2] packed,
         channel 2j in the low nibble, and scales: float8_e4m3fn or uint8 exponent+127 [..., d/block]). Exact.
+        `out` and `rows` as in `fp8_block_quantize`.
         """
         blocks = x.float().unflatten(-1, (-1, block))
         amax = blocks.abs().amax(-1)
@@ -784,7 +815,7 @@ class KernelOps:
         q = (blocks / scale.unsqueeze(-1)).clamp(-6.0, 6.0)
         codes = (q.abs().unsqueeze(-1) >= _e2m1_thresholds(q.device)).sum(-1).to(torch.uint8)
         codes = (codes | (torch.signbit(q).to(torch.uint8) << 3)).flatten(-2)
-        return codes[..., 0::2] | (codes[..., 1::2] << 4), scales
+        return _stored((codes[..., 0::2] | (codes[..., 1::2] << 4), scales), out, rows)
 
     def fp4_block_dequantize(
         self, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor | None = None
@@ -815,6 +846,21 @@ def _dequantized(
 
         return dequantize_fp4(weight, scale, dtype)
     return weight.to(dtype)
+
+
+def _stored(
+    codes: tuple[torch.Tensor, torch.Tensor], out: tuple[torch.Tensor, ...] | None, rows: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
+    """A quantisation's `codes` as returned, or written to vectors `rows` of the parts `out`, then returned."""
+    if (out is None) != (rows is None):
+        raise ValueError("a quantisation writes into `out` at `rows`: give both or neither")
+    if out is None:
+        return codes
+    for part, code in zip(out, codes):
+        if not part.is_contiguous():
+            raise ValueError("the parts a quantisation writes into must be contiguous")
+        part.view(-1, part.shape[-1])[rows] = code.reshape(-1, code.shape[-1]).to(part.dtype)
+    return out
 
 
 def _vectors(parts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -484,6 +484,34 @@ def _v41_paged_read_inputs(gen, dt, fmt):
     return (*parts, dt), {"rows": torch.randint(0, 15, (4, 7), generator=gen)}
 
 
+def _paged_rows_inputs(gen, shared_ids):
+    """Block tables [3, 6] with unallocated (-1) tails; picks [3, 7] with -1s (or one id row shared by every
+    sequence, as a read of all entries passes it: a stride-0 view), 4 entries a block."""
+    tables = torch.randperm(40, generator=gen)[:18].view(3, 6).to(torch.int32)
+    tables[1, 4:] = tables[2, 5] = -1
+    if shared_ids:
+        return (tables, torch.arange(13).expand(3, 13), 4), {}
+    ids = torch.randint(0, 24, (3, 7), generator=gen)
+    ids[0, 2] = ids[2, 6] = -1
+    return (tables, ids, 4), {}
+
+
+def _selection_tables_inputs(gen):
+    """Picks [3, 6] of 20 entries, distinct in a row, with -1s (a row of them, too)."""
+    selected = torch.stack([torch.randperm(20, generator=gen)[:6] for _ in range(3)])
+    selected[0, 4:] = selected[2] = -1
+    return (selected, 20), {}
+
+
+def _v41_paged_write_inputs(gen, dt, fmt):
+    """A paged cache write: new vectors x [5, d] quantised into 5 distinct vectors `rows` of parts [3, 5, ...]
+    that already hold codes (the others must stay as they were)."""
+    old = torch.cat([_v41_quant_input(gen, torch.float32) for _ in range(3)]).view(3, 5, 64)
+    args = () if fmt == "fp8" else (16, "e4m3")
+    parts = getattr(KernelOps(), f"{fmt}_block_quantize")(old, *args)
+    return (_v41_quant_input(gen, dt), *args), {"out": parts, "rows": torch.randperm(15, generator=gen)[:5]}
+
+
 def _v41_ngram_hash_inputs(gen, dt):
     """The release's hash layout (2 layers, 4-grams, 8 heads); rows DEAD at the first shift, in the middle
     (live ids after it), nowhere and everywhere, the rest at random."""
@@ -550,4 +578,10 @@ OP_CASES += [
     OpCase("fp4_block_dequantize", "ue8m0_block32", lambda g, dt: _v41_fp4_dequant_inputs(g, dt, 32, "ue8m0")),
     OpCase("fp8_block_dequantize", "paged_rows", lambda g, dt: _v41_paged_read_inputs(g, dt, "fp8")),
     OpCase("fp4_block_dequantize", "paged_rows", lambda g, dt: _v41_paged_read_inputs(g, dt, "fp4")),
+    # integer ids, compared exactly (int64 labels the one run)
+    OpCase("paged_rows", "picks", lambda g, dt: _paged_rows_inputs(g, False), dtypes=(torch.int64,)),
+    OpCase("paged_rows", "shared_ids", lambda g, dt: _paged_rows_inputs(g, True), dtypes=(torch.int64,)),
+    OpCase("selection_tables", "picks", lambda g, dt: _selection_tables_inputs(g), dtypes=(torch.int64,)),
+    OpCase("fp8_block_quantize", "paged_rows", lambda g, dt: _v41_paged_write_inputs(g, dt, "fp8")),
+    OpCase("fp4_block_quantize", "paged_rows", lambda g, dt: _v41_paged_write_inputs(g, dt, "fp4")),
 ]

@@ -2,7 +2,8 @@
 
 The reference ops spend 6-25 torch kernels a call on them (float32 copies, block maxima, exponent bits,
 thresholds, packing), and a V4.1 decode step calls them ~40 times: for the window K=V, the compressed
-entries, the indexer's keys and queries, and their reads. Here one launch reads each vector once.
+entries, the indexer's keys and queries, and their reads. Here one launch reads each vector once; a cache
+read decodes the vectors where they lie (`rows`), and a cache write encodes into them (`out`, `rows`).
 
 Every conversion is written on the bits, for the same result in the interpreter, on sm_90 and on SM100:
 float32 to e4m3 rounds to nearest even and saturates at 448 (Triton's own float8 cast differs in the
@@ -108,29 +109,31 @@ def _row_blocks(x_ptr, rows, width, N_BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
 
 
 @triton.jit
+def _vector_ids(row, rows, ids_ptr, INDIRECT: tl.constexpr):
+    """int64 [ROWS, 1] ids of the parts' vectors that rows `row` of a call decode or encode: the rows themselves,
+    or ids_ptr's (a paged cache read or write)."""
+    if INDIRECT:
+        return tl.load(ids_ptr + row, mask=row < rows, other=0).to(tl.int64)[:, None]
+    return row.to(tl.int64)[:, None]
+
+
+@triton.jit
 def _fp8_encode_kernel(
-    x_ptr, codes_ptr, exponents_ptr, rows, width, N_BLOCKS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-    PDL: tl.constexpr,
+    x_ptr, codes_ptr, exponents_ptr, ids_ptr, rows, width, SCATTER: tl.constexpr, N_BLOCKS: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
     blocks, row64, block_ok = _row_blocks(x_ptr, rows, width, N_BLOCKS, BLOCK, ROWS)
+    target = _vector_ids(tl.program_id(0) * ROWS + tl.arange(0, ROWS), rows, ids_ptr, SCATTER)
     amax = tl.maximum(tl.max(tl.abs(blocks), axis=2), 1e-4)
     exponent = _ceil_log2(amax * (1.0 / 448.0))
     q = tl.clamp(blocks * _pow2(-exponent)[:, :, None], -448.0, 448.0)  # x / 2^e, exact
     codes = tl.reshape(_e4m3_code(q), (ROWS, N_BLOCKS * BLOCK))
     col = tl.arange(0, N_BLOCKS * BLOCK)
-    tl.store(codes_ptr + row64 * width + col[None, :], codes.to(tl.uint8), mask=(row64 < rows) & (col[None, :] < width))
+    tl.store(codes_ptr + target * width + col[None, :], codes.to(tl.uint8), mask=(row64 < rows) & (col[None, :] < width))
     n_scales = width // BLOCK
-    tl.store(exponents_ptr + row64 * n_scales + tl.arange(0, N_BLOCKS)[None, :], (exponent + 127).to(tl.uint8),
+    tl.store(exponents_ptr + target * n_scales + tl.arange(0, N_BLOCKS)[None, :], (exponent + 127).to(tl.uint8),
              mask=block_ok)
-
-
-@triton.jit
-def _source_rows(row, rows, rows_ptr, GATHER: tl.constexpr):
-    """int64 [ROWS, 1] ids of the vectors that output rows `row` decode: themselves, or rows_ptr's."""
-    if GATHER:
-        return tl.load(rows_ptr + row, mask=row < rows, other=0).to(tl.int64)[:, None]
-    return row.to(tl.int64)[:, None]
 
 
 @triton.jit
@@ -142,7 +145,7 @@ def _fp8_decode_kernel(
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     col = tl.arange(0, N_BLOCKS * BLOCK)
     row64 = row.to(tl.int64)[:, None]
-    source = _source_rows(row, rows, rows_ptr, GATHER)
+    source = _vector_ids(row, rows, rows_ptr, GATHER)
     ok = (row[:, None] < rows) & (col[None, :] < width)
     codes = tl.load(codes_ptr + source * width + col[None, :], mask=ok, other=0).to(tl.int32)
     exponents = tl.load(exponents_ptr + source * (width // BLOCK) + col[None, :] // BLOCK, mask=ok, other=127)
@@ -152,11 +155,12 @@ def _fp8_decode_kernel(
 
 @triton.jit
 def _fp4_encode_kernel(
-    x_ptr, packed_ptr, scales_ptr, rows, width, E4M3: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
-    ROWS: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, packed_ptr, scales_ptr, ids_ptr, rows, width, SCATTER: tl.constexpr, E4M3: tl.constexpr,
+    N_BLOCKS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
     blocks, row64, block_ok = _row_blocks(x_ptr, rows, width, N_BLOCKS, BLOCK, ROWS)
+    target = _vector_ids(tl.program_id(0) * ROWS + tl.arange(0, ROWS), rows, ids_ptr, SCATTER)
     amax = tl.max(tl.abs(blocks), axis=2)
     if E4M3:  # e4m3(max(amax, 6 * 2^-9) / 6), then the division by its value
         scale_bytes = _e4m3_code(tl.math.div_rn(tl.maximum(amax, 0.01171875), 6.0))
@@ -170,9 +174,9 @@ def _fp4_encode_kernel(
     pairs = tl.reshape(codes, (ROWS, N_BLOCKS * BLOCK // 2, 2))
     even, odd = tl.split(pairs)
     pair = tl.arange(0, N_BLOCKS * BLOCK // 2)
-    tl.store(packed_ptr + row64 * (width // 2) + pair[None, :], (even | (odd << 4)).to(tl.uint8),
+    tl.store(packed_ptr + target * (width // 2) + pair[None, :], (even | (odd << 4)).to(tl.uint8),
              mask=(row64 < rows) & (pair[None, :] < width // 2))
-    tl.store(scales_ptr + row64 * (width // BLOCK) + tl.arange(0, N_BLOCKS)[None, :], scale_bytes.to(tl.uint8),
+    tl.store(scales_ptr + target * (width // BLOCK) + tl.arange(0, N_BLOCKS)[None, :], scale_bytes.to(tl.uint8),
              mask=block_ok)
 
 
@@ -186,7 +190,7 @@ def _fp4_decode_kernel(
     pair = tl.arange(0, BLOCK_P)
     ok = (row[:, None] < rows) & (pair[None, :] < pairs)
     row64 = row.to(tl.int64)[:, None]
-    source = _source_rows(row, rows, rows_ptr, GATHER)
+    source = _vector_ids(row, rows, rows_ptr, GATHER)
     byte = tl.load(packed_ptr + source * pairs + pair[None, :], mask=ok, other=0).to(tl.int32)
     s = tl.load(scales_ptr + source * n_scales + pair[None, :] // PAIRS_PER_SCALE, mask=ok, other=127).to(tl.int32)
     # every byte decodes as torch does (a written scale is positive and finite, but the codes are the data)
@@ -205,19 +209,36 @@ def _rows_per_program(rows: int) -> int:
     return min(ROWS_PER_PROGRAM, triton.next_power_of_2(rows))
 
 
-def fp8_block_quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`KernelOps.fp8_block_quantize`: x [..., d] -> (float8_e4m3fn [..., d], uint8 exponents [..., d/block])."""
+def fp8_block_quantize(
+    x: torch.Tensor, block: int, out: tuple[torch.Tensor, ...] | None = None, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """`KernelOps.fp8_block_quantize`: x [..., d] -> (float8_e4m3fn [..., d], uint8 exponents [..., d/block]);
+    with `out` and int64 `rows` [N] (x [N, d]), written to those vectors of out's contiguous parts instead."""
     width = x.shape[-1]
-    rows = x.numel() // max(width, 1)
-    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    exponents = torch.empty((*x.shape[:-1], width // block), dtype=torch.uint8, device=x.device)
-    if rows and width:
-        per_program = _rows_per_program(rows)
-        _fp8_encode_kernel[(triton.cdiv(rows, per_program),)](
-            x.contiguous(), codes, exponents, rows, width, N_BLOCKS=triton.next_power_of_2(width // block),
-            BLOCK=block, ROWS=per_program, **launch_options(x.device),
+    n_rows = x.numel() // max(width, 1)
+    codes, exponents = _targets(out, rows, (x.shape, (*x.shape[:-1], width // block)), x.device)
+    if n_rows and width:
+        per_program = _rows_per_program(n_rows)
+        _fp8_encode_kernel[(triton.cdiv(n_rows, per_program),)](
+            x.contiguous(), codes, exponents, codes if rows is None else rows.reshape(-1), n_rows, width,
+            SCATTER=rows is not None, N_BLOCKS=triton.next_power_of_2(width // block), BLOCK=block,
+            ROWS=per_program, **launch_options(x.device),
         )
-    return codes.view(torch.float8_e4m3fn), exponents
+    return out if out is not None else (codes.view(torch.float8_e4m3fn), exponents)
+
+
+def _targets(
+    out: tuple[torch.Tensor, ...] | None, rows: torch.Tensor | None, shapes: tuple[tuple[int, ...], ...],
+    device: torch.device,
+) -> tuple[torch.Tensor, ...]:
+    """The uint8 tensors an encode writes: new ones of `shapes`, or the parts `out` (viewed as bytes)."""
+    if (out is None) != (rows is None):
+        raise ValueError("an encode writes into `out` at `rows`: give both or neither")
+    if out is None:
+        return tuple(torch.empty(shape, dtype=torch.uint8, device=device) for shape in shapes)
+    if not all(part.is_contiguous() for part in out):
+        raise ValueError("the parts an encode writes into must be contiguous")
+    return tuple(part.view(torch.uint8) for part in out)
 
 
 def _output(vectors: torch.Tensor, width: int, dtype: torch.dtype, rows: torch.Tensor | None):
@@ -245,20 +266,24 @@ def fp8_block_dequantize(
     return out
 
 
-def fp4_block_quantize(x: torch.Tensor, block: int, scale_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+def fp4_block_quantize(
+    x: torch.Tensor, block: int, scale_format: str, out: tuple[torch.Tensor, ...] | None = None,
+    rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """`KernelOps.fp4_block_quantize`: x [..., d] -> (packed uint8 [..., d/2], channel 2j in the low nibble;
-    scales float8_e4m3fn or uint8 ue8m0 [..., d/block])."""
+    scales float8_e4m3fn or uint8 ue8m0 [..., d/block]); `out` and `rows` as in `fp8_block_quantize`."""
     width = x.shape[-1]
-    rows = x.numel() // max(width, 1)
-    packed = torch.empty((*x.shape[:-1], width // 2), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((*x.shape[:-1], width // block), dtype=torch.uint8, device=x.device)
-    if rows and width:
-        per_program = _rows_per_program(rows)
-        _fp4_encode_kernel[(triton.cdiv(rows, per_program),)](
-            x.contiguous(), packed, scales, rows, width, E4M3=scale_format == "e4m3",
-            N_BLOCKS=triton.next_power_of_2(width // block), BLOCK=block, ROWS=per_program,
-            **launch_options(x.device),
+    n_rows = x.numel() // max(width, 1)
+    packed, scales = _targets(out, rows, ((*x.shape[:-1], width // 2), (*x.shape[:-1], width // block)), x.device)
+    if n_rows and width:
+        per_program = _rows_per_program(n_rows)
+        _fp4_encode_kernel[(triton.cdiv(n_rows, per_program),)](
+            x.contiguous(), packed, scales, packed if rows is None else rows.reshape(-1), n_rows, width,
+            SCATTER=rows is not None, E4M3=scale_format == "e4m3", N_BLOCKS=triton.next_power_of_2(width // block),
+            BLOCK=block, ROWS=per_program, **launch_options(x.device),
         )
+    if out is not None:
+        return out
     return packed, scales.view(torch.float8_e4m3fn) if scale_format == "e4m3" else scales
 
 

@@ -40,7 +40,7 @@ class TritonOps(KernelOps):
     def __init__(self) -> None:
         from deepinfer_kernels import (
             cache_writes, compress_kv, engram_gate, engram_hash, fused_moe, hyper_connection, indexer, indexer_scores,
-            kv_codes, linear, rms_norm, rope, routing, row_gather, sparse_attention,
+            kv_codes, linear, paging, rms_norm, rope, routing, row_gather, sparse_attention,
         )
 
         self._rms_norm = rms_norm.rms_norm
@@ -73,6 +73,8 @@ class TritonOps(KernelOps):
         self._compress_kv = compress_kv.compress_kv
         self._compress_supported = compress_kv.compress_supported
         self._kv_codes = kv_codes
+        self._paged_rows = paging.paged_rows
+        self._selection_tables = paging.selection_tables
         self._indexer_scores = indexer_scores.indexer_scores
         self._indexer_scores_supported = indexer_scores.indexer_scores_supported
 
@@ -333,10 +335,13 @@ class TritonOps(KernelOps):
         self._store_window(kv, window, batch)
 
     # Fallback of the V4.1 KV codes: blocks that are not powers of two dividing the width.
-    def fp8_block_quantize(self, x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    def fp8_block_quantize(
+        self, x: torch.Tensor, block: int = 32, out: tuple[torch.Tensor, ...] | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
         if not self._kv_codes.codes_supported(x.shape[-1], block):
-            return super().fp8_block_quantize(x, block)
-        return self._kv_codes.fp8_block_quantize(x, block)
+            return super().fp8_block_quantize(x, block, out, rows)
+        return self._kv_codes.fp8_block_quantize(x, block, out, rows)
 
     def fp8_block_dequantize(
         self, values: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor | None = None
@@ -346,15 +351,24 @@ class TritonOps(KernelOps):
             return super().fp8_block_dequantize(values, exponents, dtype, rows)
         return self._kv_codes.fp8_block_dequantize(values, exponents, dtype, rows)
 
-    def fp4_block_quantize(self, x: torch.Tensor, block: int, scale_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def fp4_block_quantize(
+        self, x: torch.Tensor, block: int, scale_format: str, out: tuple[torch.Tensor, ...] | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
         if scale_format not in ("e4m3", "ue8m0") or not self._kv_codes.codes_supported(x.shape[-1], block):
-            return super().fp4_block_quantize(x, block, scale_format)  # the reference names a bad format
-        return self._kv_codes.fp4_block_quantize(x, block, scale_format)
+            return super().fp4_block_quantize(x, block, scale_format, out, rows)  # the reference names a bad format
+        return self._kv_codes.fp4_block_quantize(x, block, scale_format, out, rows)
 
     def fp4_block_dequantize(
         self, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor | None = None
     ) -> torch.Tensor:
         return self._kv_codes.fp4_block_dequantize(packed, scales, dtype, rows)
+
+    def paged_rows(self, block_tables: torch.Tensor, ids: torch.Tensor, per_block: int) -> torch.Tensor:
+        return self._paged_rows(block_tables, ids, per_block)
+
+    def selection_tables(self, selected: torch.Tensor, n_entries: int) -> torch.Tensor:
+        return self._selection_tables(selected, n_entries)
 
     def gather_rows(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # Zero-copy from host memory: the ids never come back to the host, so the step does not wait.

@@ -43,8 +43,7 @@ class ForwardState:
         self.band: BandState | None = None
         self.image_rows: torch.Tensor | None = None
         self.ring_rows: torch.Tensor | None = None  # the slots' ring vectors, flat ids [S, W]
-        # a plain decode step's (slot, ring row) of each token's K=V
-        self.ring_writes: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.ring_writes: torch.Tensor | None = None  # a plain decode step's flat ids of each token's K=V
         n_seqs, width = batch.block_tables.shape
         tables = torch.arange(n_seqs * width, dtype=torch.int32, device=batch.block_tables.device).view(n_seqs, width)
         self.local = replace(
@@ -126,19 +125,20 @@ class Attention(nn.Module):
             return
         positions = new.entry_ids * self.ratio
         entries = self.kv.entry(self.ops.rope(new.latents, positions, self.inv_freq))
-        write_entries(self.ops, band.cache.entries, batch, new.seq_index, new.entry_ids, entries)
         keys = self.indexer.keys(new.latents, positions, self.inv_freq)
-        write_entries(self.ops, band.cache.index_keys, batch, new.seq_index, new.entry_ids, keys)
+        write_entries(self.ops, batch, new.seq_index, new.entry_ids, (band.cache.entries, entries),
+                      (band.cache.index_keys, keys))
 
 
 def store_in_ring(
-    ops, kv: torch.Tensor, batch: ForwardBatch, window: StoredTensor,
-    decode_writes: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ops, kv: torch.Tensor, batch: ForwardBatch, window: StoredTensor, decode_writes: torch.Tensor | None = None,
 ) -> None:
     """Each sequence's last min(q, W) positions p of the step go to ring row p % W of its slot.
     `decode_writes`: a plain decode step's `decode_ring_writes`, if already built."""
     if batch.is_plain_decode:
-        window.write(ops, decode_writes or decode_ring_writes(batch, window, batch.slot_ids.to(torch.long)), kv)
+        if decode_writes is None:
+            decode_writes = decode_ring_writes(batch, window, batch.slot_ids.to(torch.long))
+        window.write_rows(ops, decode_writes, kv)
         return
     ring = window.parts[0].shape[1]
     slots, rows, offsets = [], [], []
@@ -153,8 +153,7 @@ def store_in_ring(
         window.write(ops, (torch.cat(slots), torch.cat(offsets)), kv[torch.cat(rows)])
 
 
-def decode_ring_writes(
-    batch: ForwardBatch, window: StoredTensor, slots: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A plain decode step's (slot, ring row) of each token's K=V: one position a sequence, its context length."""
-    return slots, batch.context_lens.to(torch.long) % window.parts[0].shape[1]
+def decode_ring_writes(batch: ForwardBatch, window: StoredTensor, slots: torch.Tensor) -> torch.Tensor:
+    """A plain decode step's flat vector ids (`StoredTensor.rows`) of each token's K=V: one position a sequence,
+    its context length, at ring row (slot, context length mod ring)."""
+    return window.rows((slots, batch.context_lens.to(torch.long) % window.parts[0].shape[1]))

@@ -39,9 +39,10 @@ class BandState:
 def gather_entries(ops: KernelOps, pool: StoredTensor, block_tables: torch.Tensor, n_entries: int) -> torch.Tensor:
     """Entries 0..n_entries-1 from a paged [num_blocks, block_size // ratio] pool, decoded: of one sequence
     for a block table [width], [n_entries, c]; of each sequence for block tables [S, width], [S, n_entries, c]."""
-    per_block = pool.parts[0].shape[1]
-    ids = torch.arange(n_entries, device=block_tables.device)
-    return pool.read(ops, (block_tables.to(torch.long)[..., ids // per_block], ids % per_block))
+    tables = block_tables.view(-1, block_tables.shape[-1])
+    ids = torch.arange(n_entries, device=block_tables.device).expand(tables.shape[0], n_entries)
+    rows = ops.paged_rows(tables, ids, pool.parts[0].shape[1])
+    return pool.read_rows(ops, rows.view(*block_tables.shape[:-1], n_entries))
 
 
 def picked_entries(ops: KernelOps, band: BandState, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,26 +53,24 @@ def picked_entries(ops: KernelOps, band: BandState, batch: ForwardBatch) -> tupl
     selected = band.selected
     if band.picked is not None and band.picked[0] is selected:  # a Reuse layer of the same selection
         return band.picked[1:]
-    pool, (n_seqs, k) = band.cache.entries, selected.shape
-    per_block = pool.parts[0].shape[1]
-    ids = selected.clamp(min=0)
-    blocks = batch.block_tables.clamp(min=0).to(torch.long).gather(1, ids // per_block)
-    values = pool.read(ops, (blocks, ids % per_block)).flatten(0, 1)
+    pool = band.cache.entries
+    # a -1 pick reads entry 0, which no table sends the attention to
+    values = pool.read_rows(ops, ops.paged_rows(batch.block_tables, selected, pool.parts[0].shape[1])).flatten(0, 1)
     entries = torch.cat([values, values.new_zeros(1, values.shape[-1])]).unsqueeze(1)
-    n_entries = batch.seq_len_bound // band.cache.ratio
-    tables = torch.full((n_seqs, n_entries + 1), n_seqs * k, dtype=torch.int32, device=selected.device)
-    rows = torch.arange(n_seqs * k, dtype=torch.int32, device=selected.device).view(n_seqs, k)
-    tables.scatter_(1, torch.where(selected >= 0, selected, n_entries), rows)  # -1 picks: column n, never read
+    tables = ops.selection_tables(selected, batch.seq_len_bound // band.cache.ratio)
     band.picked = (selected, entries, tables)
     return entries, tables
 
 
 def write_entries(
-    ops: KernelOps, pool: StoredTensor, batch: ForwardBatch, seq_index: torch.Tensor, entry_ids: torch.Tensor,
-    values: torch.Tensor,
+    ops: KernelOps, batch: ForwardBatch, seq_index: torch.Tensor, entry_ids: torch.Tensor,
+    *writes: tuple[StoredTensor, torch.Tensor],
 ) -> None:
-    """Store values[g] as entry entry_ids[g] of sequence seq_index[g]."""
-    per_block = pool.parts[0].shape[1]
-    tables = batch.block_tables.to(torch.long)[seq_index]
-    blocks = tables.gather(1, (entry_ids // per_block).unsqueeze(1)).squeeze(1)
-    pool.write(ops, (blocks, entry_ids % per_block), values)
+    """For each (pool, values) of `writes`, store values[g] as entry entry_ids[g] of sequence seq_index[g]. The
+    pools are paged alike ([num_blocks, per_block] vectors): the entries' vector ids are found once."""
+    pool = writes[0][0]
+    if any(other.parts[0].shape[:-1] != pool.parts[0].shape[:-1] for other, _ in writes):
+        raise ValueError("write_entries' pools must share their paging (leading dims)")
+    rows = ops.paged_rows(batch.block_tables[seq_index], entry_ids.unsqueeze(1), pool.parts[0].shape[1]).squeeze(1)
+    for target, values in writes:
+        target.write_rows(ops, rows, values)

@@ -58,6 +58,15 @@ class KvFormat:
             return ops.fp8_block_quantize(x, self.block)
         return ops.fp4_block_quantize(x, self.block, self.scale_format)
 
+    def store(self, ops: KernelOps, x: torch.Tensor, parts: tuple[torch.Tensor, ...], rows: torch.Tensor) -> None:
+        """Encode x [N, width] into vectors `rows` [N] (distinct) of the parts flattened over their leading dims."""
+        if self.kind == "raw":
+            parts[0].view(-1, parts[0].shape[-1])[rows] = x.to(parts[0].dtype)
+        elif self.kind == "fp8":
+            ops.fp8_block_quantize(x, self.block, out=parts, rows=rows)
+        else:
+            ops.fp4_block_quantize(x, self.block, self.scale_format, out=parts, rows=rows)
+
     def decode(
         self, ops: KernelOps, parts: tuple[torch.Tensor, ...], dtype: torch.dtype, rows: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -149,5 +158,10 @@ class StoredTensor:
         return rows
 
     def write(self, ops: KernelOps, index: tuple[torch.Tensor, ...], values: torch.Tensor) -> None:
-        for part, encoded in zip(self.parts, self.fmt.encode(ops, values)):
-            part[index] = encoded.to(part.dtype)
+        """Store `values` at `index` (advanced indexing over the leading dims, one vector a position)."""
+        self.write_rows(ops, self.rows(index), values)
+
+    def write_rows(self, ops: KernelOps, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Store `values` [*rows.shape, width] as the vectors `rows` (distinct flat ids, as `rows(index)` gives
+        them), encoded where they lie: one launch, where an encode and an index write a part took three."""
+        self.fmt.store(ops, values.reshape(-1, values.shape[-1]), self.parts, rows.reshape(-1))
