@@ -39,7 +39,7 @@ class BandState:
 def gather_entries(ops: KernelOps, pool: StoredTensor, block_tables: torch.Tensor, n_entries: int) -> torch.Tensor:
     """Entries 0..n_entries-1 from a paged [num_blocks, block_size // ratio] pool, decoded: of one sequence
     for a block table [width], [n_entries, c]; of each sequence for block tables [S, width], [S, n_entries, c]."""
-    tables = block_tables.view(-1, block_tables.shape[-1])
+    tables = block_tables.reshape(-1, block_tables.shape[-1])
     ids = torch.arange(n_entries, device=block_tables.device).expand(tables.shape[0], n_entries)
     rows = ops.paged_rows(tables, ids, pool.parts[0].shape[1])
     return pool.read_rows(ops, rows.view(*block_tables.shape[:-1], n_entries))
