@@ -668,12 +668,15 @@ class KernelOps:
         ordered = torch.sort(scores, dim=-1, descending=True, stable=True)
         return torch.where(ordered.values[:, :k] > float("-inf"), ordered.indices[:, :k], -1)
 
-    def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
-        """Lightning-indexer scores of queries against index keys (no masking).
+    def indexer_scores(
+        self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, visible: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Lightning-indexer scores of queries against index keys.
 
         q [S, Hi, di]; keys [N, di] (one sequence's, for all its queries) or [S, N, di] (each query its own
         keys: a decode step's sequences); head_weights [S, Hi] raw weights_proj output. In float32:
-        I[s, w] = sum_h head_weights[s, h] * Hi^-0.5 * ReLU(q[s, h] . keys[(s,) w]) * di^-0.5. Returns [S, N]
+        I[s, w] = sum_h head_weights[s, h] * Hi^-0.5 * ReLU(q[s, h] . keys[(s,) w]) * di^-0.5. `visible` [S]
+        (integer, optional): entries w >= visible[s] score -inf (those the query cannot see). Returns [S, N]
         float32. Tolerance: float32 1e-5 relative (the caller's top-k is tie-sensitive).
         """
         per_query = keys.dim() == 3
@@ -688,7 +691,10 @@ class KernelOps:
             products = torch.einsum("shd,snd->shn" if per_query else "shd,nd->shn", q.float(), keys.float())
         scores = torch.relu(products) * q.shape[-1] ** -0.5
         weights = head_weights.float() * q.shape[1] ** -0.5
-        return (scores * weights.unsqueeze(-1)).sum(dim=1)
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)
+        if visible is None:
+            return scores
+        return scores.masked_fill(torch.arange(scores.shape[-1], device=scores.device) >= visible[:, None], float("-inf"))
 
     @row_tiled("streams", "key", "value")
     def engram_gate(

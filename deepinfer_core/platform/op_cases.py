@@ -561,6 +561,12 @@ OP_CASES += [
         lambda g, dt: ((_randn(g, 5, 8, 32, dtype=dt), _randn(g, 5, 13, 32, dtype=dt), _randn(g, 5, 8, dtype=dt)), {}),
         rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
     ),
+    OpCase(  # a decode step's rows seeing 0, some and all of their keys
+        "indexer_scores", "visible_counts",
+        lambda g, dt: ((_randn(g, 5, 8, 32, dtype=dt), _randn(g, 5, 13, 32, dtype=dt), _randn(g, 5, 8, dtype=dt),
+                        torch.tensor([0, 4, 13, 1, 9])), {}),
+        rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
+    ),
     OpCase(
         "engram_gate", "two_streams",
         lambda g, dt: ((_randn(g, 7, 2, 48, dtype=dt), _randn(g, 7, 2, 48, dtype=dt), _randn(g, 7, 48, dtype=dt),

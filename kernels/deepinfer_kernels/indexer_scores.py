@@ -34,8 +34,9 @@ def indexer_scores_supported(q: torch.Tensor, keys: torch.Tensor) -> bool:
 
 @triton.jit
 def _scores_kernel(
-    q_ptr, keys_ptr, hw_ptr, out_ptr, N, H, stride_qs, stride_qh, stride_ks, stride_kn, stride_hw, head_scale, dim_scale,
-    HEADS: tl.constexpr, DI: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    q_ptr, keys_ptr, hw_ptr, visible_ptr, out_ptr, N, H, stride_qs, stride_qh, stride_ks, stride_kn, stride_hw,
+    head_scale, dim_scale, HEADS: tl.constexpr, DI: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
+    MASKED: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -51,11 +52,16 @@ def _scores_kernel(
         dots = tl.dot(q, tl.trans(keys))
     weights = tl.load(hw_ptr + row * stride_hw + heads, mask=heads < H, other=0.0).to(tl.float32) * head_scale
     scores = tl.sum((tl.maximum(dots, 0.0) * dim_scale) * weights[:, None], axis=0)
+    if MASKED:  # entries past the query's visible count
+        scores = tl.where(n < tl.load(visible_ptr + row), scores, float("-inf"))
     tl.store(out_ptr + row * N + n, scores, mask=n < N)
 
 
-def indexer_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
-    """q [S, H, di]; keys [S, N, di] (per row) or [N, di] (shared); head_weights [S, H] -> [S, N] float32."""
+def indexer_scores(
+    q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, visible: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q [S, H, di]; keys [S, N, di] (per row) or [N, di] (shared); head_weights [S, H]; visible [S] (optional:
+    -inf past it) -> [S, N] float32."""
     rows, n_heads, di = q.shape
     per_row = keys.dim() == 3
     n_entries = keys.shape[-2]
@@ -64,9 +70,9 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tens
         return out
     q, keys, head_weights = q.contiguous(), keys.contiguous(), head_weights.contiguous()
     _scores_kernel[(rows, triton.cdiv(n_entries, BLOCK_N))](
-        q, keys, head_weights, out, n_entries, n_heads, q.stride(0), q.stride(1), keys.stride(0) if per_row else 0,
+        q, keys, head_weights, out if visible is None else visible.contiguous(), out, n_entries, n_heads, q.stride(0), q.stride(1), keys.stride(0) if per_row else 0,
         keys.stride(-2), head_weights.stride(0), n_heads**-0.5, di**-0.5,
         HEADS=max(16, triton.next_power_of_2(n_heads)), DI=di, BLOCK=BLOCK_N, IEEE=q.dtype == torch.float32,
-        **launch_options(q.device),
+        MASKED=visible is not None, **launch_options(q.device),
     )
     return out

@@ -324,12 +324,14 @@ class TritonOps(KernelOps):
         # a decode step's rows rank in one launch (V4.1's picks: no sort, no torch kernels in its graph)
         return self._top_entries(scores, k)
 
-    def indexer_scores(self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+    def indexer_scores(
+        self, q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, visible: torch.Tensor | None = None
+    ) -> torch.Tensor:
         # Fallback: the batch-invariant mode (the reference's row tiles reduce each row alone), index head dims
         # that are not powers of two >= 16, queries and keys of different dtypes.
         if self.batch_invariant or not self._indexer_scores_supported(q, keys):
-            return super().indexer_scores(q, keys, head_weights)
-        return self._indexer_scores(q, keys, head_weights)
+            return super().indexer_scores(q, keys, head_weights, visible)
+        return self._indexer_scores(q, keys, head_weights, visible)
 
     def store_window(self, kv: torch.Tensor, window: torch.Tensor, batch: ForwardBatch) -> None:
         self._store_window(kv, window, batch)

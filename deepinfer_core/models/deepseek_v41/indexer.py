@@ -70,8 +70,9 @@ class Indexer(nn.Module):
         q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)
         q = self.kv.index(ops.rope(q, batch.positions, inv_freq))
         head_weights = self.weights_proj(x)
+        visible = (batch.positions + 1).div(r, rounding_mode="floor")  # each query's visible entries
         if batch.is_plain_decode:
-            return self._decode(q, head_weights, batch, band)
+            return self._decode(q, head_weights, visible, batch, band)
         selected = torch.full((x.shape[0], self.topk), -1, dtype=torch.long, device=x.device)
         start = 0
         for i, (n_q, ctx) in enumerate(zip(batch.query_lens_cpu, batch.context_lens_cpu)):
@@ -80,14 +81,16 @@ class Indexer(nn.Module):
             if n_entries == 0:
                 continue
             keys = gather_entries(ops, band.cache.index_keys, batch.block_tables[i], n_entries)
-            scores = ops.indexer_scores(q[rows], keys, head_weights[rows])
-            picks = self._picks(scores, batch.positions[rows], band, i, f"candidates.layer{self.layer}.seq{i}",
+            scores = ops.indexer_scores(q[rows], keys, head_weights[rows], visible[rows])
+            picks = self._picks(scores, visible[rows], band, i, f"candidates.layer{self.layer}.seq{i}",
                                 ops.batch_invariant)
             selected[rows, : picks.shape[1]] = picks
         self.trace.record(f"index_topk.layer{self.layer}", selected)
         return selected
 
-    def _decode(self, q: torch.Tensor, head_weights: torch.Tensor, batch: ForwardBatch, band: BandState) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, head_weights: torch.Tensor, visible: torch.Tensor, batch: ForwardBatch, band: BandState
+    ) -> torch.Tensor:
         """One query a sequence, all sequences at once over the bound's entries (`seq_len_bound`): each
         query scores its own sequence's keys, entries it cannot see score -inf. The top-k is always the
         stable one, so that a row's picks do not depend on how far past its entries the bound reaches."""
@@ -99,30 +102,28 @@ class Indexer(nn.Module):
         if chunk >= rows:
             if band.index_keys is None:  # decoded once a step for the band's index sources
                 band.index_keys = gather_entries(self.ops, band.cache.index_keys, tables, n_entries)
-            scores = self.ops.indexer_scores(q, band.index_keys, head_weights)
+            scores = self.ops.indexer_scores(q, band.index_keys, head_weights, visible)
         else:  # each index source decodes its keys again, a chunk at a time
             scores = torch.cat([
                 self.ops.indexer_scores(q[s:s + chunk], gather_entries(self.ops, band.cache.index_keys,
                                                                        tables[s:s + chunk], n_entries),
-                                        head_weights[s:s + chunk])
+                                        head_weights[s:s + chunk], visible[s:s + chunk])
                 for s in range(0, rows, chunk)
             ])
-        selected = self._picks(scores, batch.positions, band, DECODE_ROWS, f"candidates.layer{self.layer}", stable=True)
+        selected = self._picks(scores, visible, band, DECODE_ROWS, f"candidates.layer{self.layer}", stable=True)
         if selected.shape[1] < self.topk:  # fewer entries than picks under the bound: -1 the rest
             selected = torch.nn.functional.pad(selected, (0, self.topk - selected.shape[1]), value=-1)
         self.trace.record(f"index_topk.layer{self.layer}", selected)
         return selected
 
     def _picks(
-        self, scores: torch.Tensor, positions: torch.Tensor, band: BandState, key: int, trace_name: str, stable: bool
+        self, scores: torch.Tensor, visible_counts: torch.Tensor, band: BandState, key: int, trace_name: str,
+        stable: bool,
     ) -> torch.Tensor:
-        """Entry ids [q, min(topk, n)] (-1 = none) from scores [q, n] of queries at `positions`: entries they
-        cannot see masked, then the candidate source's mask published under `key` (it picks outside it
-        too) or, on an index source after it, applied."""
+        """Entry ids [q, min(topk, n)] (-1 = none) from scores [q, n] (-inf past each query's `visible_counts`,
+        as `indexer_scores` masks them): the candidate source's mask published under `key` (it picks outside
+        it too) or, on an index source after it, applied."""
         n_entries = scores.shape[-1]
-        visible_counts = (positions + 1).div(self.ratio, rounding_mode="floor")
-        invisible = torch.arange(n_entries, device=scores.device) >= visible_counts[:, None]
-        scores = scores.masked_fill(invisible, float("-inf"))
         if self.is_candidate_source:
             band.candidates[key] = candidate_mask(scores, visible_counts, self.candidate_blocks, self.candidate_block_size)
             self.trace.record(trace_name, band.candidates[key])
