@@ -159,12 +159,14 @@ def _batch(ids: torch.Tensor, context: int, slot: int):
     )
 
 
-def test_quantized_table_rows_are_gathered_on_the_host_and_dequantized() -> None:
+@pytest.mark.parametrize("head_dim", [16, 64])  # a ragged scale block; whole blocks (the KV's fp8 decode)
+def test_quantized_table_rows_are_gathered_on_the_host_and_dequantized(head_dim: int) -> None:
     from deepinfer_core.models.deepseek_v41 import DeepseekV41ForCausalLM
     from deepinfer_core.quantization import dequantize_fp8_block, quantize_fp8_block
 
     raw = json.loads((FIXTURES / "a_release_like" / "checkpoint" / "config.json").read_text())
     raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [32, 32]}
+    raw["text_config"]["engram_head_dim"] = head_dim
     m = DeepseekV41ForCausalLM(parse_deepseek_v41_config(raw), KernelOps(), torch.float32, torch.device("cpu"))
     engram = m.layers[1].engram
     table = torch.randn(engram.embed.weight.shape, generator=torch.Generator().manual_seed(6))
@@ -174,4 +176,4 @@ def test_quantized_table_rows_are_gathered_on_the_host_and_dequantized() -> None
     ids = torch.tensor([[0, 5, 433, 7, 9, 2], [1, 1, 2, 3, 5, 8]])
     rows = engram.gather(ids)
     expected = dequantize_fp8_block(weight, scale, (1, 32), torch.float32)[ids.reshape(-1)].view(2, -1)
-    assert rows.shape == (2, 6 * 16) and torch.equal(rows, expected)
+    assert rows.shape == (2, 6 * head_dim) and torch.equal(rows, expected)

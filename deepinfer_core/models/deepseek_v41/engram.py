@@ -235,7 +235,10 @@ class Engram(nn.Module):
         rows = self.ops.gather_rows(self.embed.weight, flat)
         if self.embed.scale is not None:
             scales = self.ops.gather_rows(self.embed.scale, flat)
-            rows = dequantize_fp8_block(rows, scales, (1, ROW_SCALE_BLOCK), self.dtype)
+            if rows.shape[-1] % ROW_SCALE_BLOCK == 0:  # e8m0 bytes are ue8m0 exponents: the KV's fp8 decode
+                rows = self.ops.fp8_block_dequantize(rows, scales.view(torch.uint8), self.dtype)
+            else:  # a ragged last block
+                rows = dequantize_fp8_block(rows, scales, (1, ROW_SCALE_BLOCK), self.dtype)
         return rows.to(self.dtype).view(ids.shape[0], -1)
 
     def forward(self, streams: torch.Tensor, rows: torch.Tensor, dead_rows: torch.Tensor | None = None) -> torch.Tensor:
