@@ -89,6 +89,18 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
     for rows in ([1, 5] if tiny else [1, 16, 64]):  # V4.1's decode picks: one row of scores a sequence
         yield Case(f"top_entries T={rows} n={40 if tiny else 2048}",
                    partial(_top_entries, ops, reference, rows, 40 if tiny else 2048, 13 if tiny else 512))
+    for seqs in ([1, 3] if tiny else [1, 64]):  # V4.1's decode: where the picks lie, their tables, cache writes
+        picks, entries = (5, 40) if tiny else (512, 4096)
+        yield Case(f"paged_rows S={seqs} k={picks} n={entries}",
+                   partial(_paged_rows, ops, reference, seqs, picks, entries))
+        yield Case(f"selection_tables S={seqs} k={picks} n={entries}",
+                   partial(_selection_tables, ops, reference, seqs, picks, entries))
+        for fmt, width, block in (("fp8", 512, 32), ("fp4 e4m3", 512, 16), ("fp4 ue8m0", 128, 32)):
+            width = 64 if tiny else width
+            yield Case(f"{fmt} encode into rows S={seqs} d={width}",
+                       partial(_encode_into_rows, ops, reference, seqs, width, block, fmt))
+        yield Case(f"indexer_scores visible S={seqs} n={entries}",
+                   partial(_indexer_scores_visible, ops, reference, seqs, entries, tiny))
     for name, fmt in (("fp4 pair order", FP4_PAIR_ORDER), ("fp4", FP4_SMALL_SCALES)):  # an expert's w1
         yield Case(f"weight decode {name} N={inter} K={hidden}", partial(_weight_decode, fmt, inter, hidden))
     for tokens in ([1, 21] if tiny else [1, 16, 64, 8192]):
@@ -327,6 +339,58 @@ def _indexer(ops, reference, seqs, q_len, ctx, tiny, gen, device):
     flops = 2 * batch.num_tokens * heads * dim * width
     nbytes = 2 * (seqs * width * dim + batch.num_tokens * heads * dim) + 8 * batch.num_tokens * topk
     return lambda: picked(ops), lambda: picked(reference), flops, nbytes, 2e-2, False
+
+
+def _paged_rows(ops, reference, seqs, picks, entries, gen, device):
+    """Picks of a decode step (a tenth -1) through block tables of 2 entries a block: ids compared exactly."""
+    tables = torch.randperm(seqs * entries, device=device, generator=gen)[: seqs * entries // 2].view(seqs, -1)
+    ids = torch.randint(0, entries, (seqs, picks), device=device, generator=gen)
+    ids[torch.rand(seqs, picks, device=device, generator=gen) < 0.1] = -1
+    tables = tables.to(torch.int32)
+    return (lambda: ops.paged_rows(tables, ids, 2), lambda: reference.paged_rows(tables, ids, 2), 0,
+            12 * seqs * picks, 0.0, False)
+
+
+def _selection_tables(ops, reference, seqs, picks, entries, gen, device):
+    """Distinct picks a row (the last tenth -1): tables compared exactly."""
+    selected = torch.rand(seqs, entries, device=device, generator=gen).argsort(dim=1)[:, :picks]
+    selected[:, picks - picks // 10:] = -1
+    return (lambda: ops.selection_tables(selected, entries), lambda: reference.selection_tables(selected, entries),
+            0, 4 * seqs * (entries + 1) + 8 * seqs * picks, 0.0, False)
+
+
+def _encode_into_rows(ops, reference, seqs, width, block, fmt, gen, device):
+    """A decode step's vectors encoded into distinct rows of a pool of 1,024 that holds codes: every byte of the
+    pool compared exactly (the untouched rows too)."""
+    args = (block,) if fmt == "fp8" else (block, fmt.split()[1])
+    quantize = "fp8_block_quantize" if fmt == "fp8" else "fp4_block_quantize"
+    pool = getattr(reference, quantize)(torch.randn(1024, width, device=device, generator=gen), *args)
+    x = torch.randn(seqs, width, device=device, generator=gen).to(torch.bfloat16)
+    rows = torch.randperm(1024, device=device, generator=gen)[:seqs]
+
+    def written(o):
+        parts = getattr(o, quantize)(x, *args, out=tuple(part.clone() for part in pool), rows=rows)
+        return torch.cat([part.view(torch.uint8).flatten() for part in parts])
+
+    return lambda: written(ops), lambda: written(reference), 0, 2 * seqs * width, 0.0, False
+
+
+def _indexer_scores_visible(ops, reference, seqs, entries, tiny, gen, device):
+    """A decode step's scores, each row seeing a random count of its keys: the visible scores compared at the
+    op's tolerance, a masked entry that is not -inf (or a visible one that is) made NaN, which fails."""
+    heads, dim = (4, 32) if tiny else (64, 128)
+    q = torch.randn(seqs, heads, dim, device=device, generator=gen).to(torch.bfloat16)
+    keys = torch.randn(seqs, entries, dim, device=device, generator=gen).to(torch.bfloat16)
+    weights = torch.randn(seqs, heads, device=device, generator=gen).to(torch.bfloat16)
+    visible = torch.randint(0, entries + 1, (seqs,), device=device, generator=gen)
+    hidden = torch.arange(entries, device=device) >= visible[:, None]
+
+    def scores(o):
+        out = o.indexer_scores(q, keys, weights, visible)
+        return torch.where(hidden, torch.where(out == float("-inf"), 0.0, float("nan")), out)
+
+    flops = 2 * seqs * heads * dim * entries
+    return lambda: scores(ops), lambda: scores(reference), flops, 2 * seqs * entries * dim, 1e-5, False
 
 
 def _weight_decode(fmt, n, k, gen, device):
