@@ -5,7 +5,8 @@ The reference materialises the per-head products [S, H, N] in float32 and passes
 a decode step of 64 sequences and 2,048 entries a sequence that is 33 MB a pass, per index source. Here a
 program meets one query row's heads with a tile of its keys ([H, di] x [di, tile], float32 accumulation)
 and sums over the heads in registers, so only the scores [S, N] are written. Keys are per query row
-([S, N, di], a decode step) or shared by all rows ([N, di], one sequence's prefill).
+([S, N, di], a decode step) or shared by all rows ([N, di], one sequence's prefill). With `visible`, the
+entries a row cannot see score -inf in the same pass (the model masked them with three more launches).
 
 Rounding: the products of bfloat16 values are exact in float32 (and V4.1's fp4 queries and keys are exact
 in bfloat16); what differs from the reference is the order of the float32 sums, over di and over the
