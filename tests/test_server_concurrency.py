@@ -16,14 +16,12 @@ httpx = pytest.importorskip("httpx", reason="the server tests talk raw HTTP thro
 
 NUM_STREAMS = 64
 MAX_TOKENS = 8
-
-
-LEAVING_MAX_TOKENS = 1000
+LEAVING_MAX_TOKENS = 1000  # the leaving client's request, and the server's limit
 
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    limits = ServerLimits(max_tokens=LEAVING_MAX_TOKENS, max_request_bytes=64 * 1024)
+    limits = ServerLimits(max_tokens=LEAVING_MAX_TOKENS)
     with running_server(tiny_checkpoint, num_kv_blocks=512, max_num_seqs=NUM_STREAMS, limits=limits) as server:
         yield server
 

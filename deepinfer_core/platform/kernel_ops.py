@@ -694,7 +694,8 @@ class KernelOps:
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)
         if visible is None:
             return scores
-        return scores.masked_fill(torch.arange(scores.shape[-1], device=scores.device) >= visible[:, None], float("-inf"))
+        hidden = torch.arange(scores.shape[-1], device=scores.device) >= visible[:, None]
+        return scores.masked_fill(hidden, float("-inf"))
 
     @row_tiled("streams", "key", "value")
     def engram_gate(

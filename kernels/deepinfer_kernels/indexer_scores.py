@@ -71,8 +71,9 @@ def indexer_scores(
         return out
     q, keys, head_weights = q.contiguous(), keys.contiguous(), head_weights.contiguous()
     _scores_kernel[(rows, triton.cdiv(n_entries, BLOCK_N))](
-        q, keys, head_weights, out if visible is None else visible.contiguous(), out, n_entries, n_heads, q.stride(0), q.stride(1), keys.stride(0) if per_row else 0,
-        keys.stride(-2), head_weights.stride(0), n_heads**-0.5, di**-0.5,
+        q, keys, head_weights, out if visible is None else visible.contiguous(), out, n_entries, n_heads,
+        q.stride(0), q.stride(1), keys.stride(0) if per_row else 0, keys.stride(-2), head_weights.stride(0),
+        n_heads**-0.5, di**-0.5,
         HEADS=max(16, triton.next_power_of_2(n_heads)), DI=di, BLOCK=BLOCK_N, IEEE=q.dtype == torch.float32,
         MASKED=visible is not None, **launch_options(q.device),
     )

@@ -130,7 +130,8 @@ def _fp8_encode_kernel(
     q = tl.clamp(blocks * _pow2(-exponent)[:, :, None], -448.0, 448.0)  # x / 2^e, exact
     codes = tl.reshape(_e4m3_code(q), (ROWS, N_BLOCKS * BLOCK))
     col = tl.arange(0, N_BLOCKS * BLOCK)
-    tl.store(codes_ptr + target * width + col[None, :], codes.to(tl.uint8), mask=(row64 < rows) & (col[None, :] < width))
+    tl.store(codes_ptr + target * width + col[None, :], codes.to(tl.uint8),
+             mask=(row64 < rows) & (col[None, :] < width))
     n_scales = width // BLOCK
     tl.store(exponents_ptr + target * n_scales + tl.arange(0, N_BLOCKS)[None, :], (exponent + 127).to(tl.uint8),
              mask=block_ok)
