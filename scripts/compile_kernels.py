@@ -30,7 +30,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler import compile as triton_compile  # noqa: E402
 
-from deepinfer_kernels import fused_moe, linear, sparse_attention  # noqa: E402
+from deepinfer_kernels import fused_moe, linear, rms_norm, sparse_attention  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 WEIGHT_TYPES = {0: "*bf16", 1: "*fp8e4nv", 2: "*i32"}  # fp4: int32 words of eight codes
@@ -110,6 +110,11 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
                            HAS_ENTRIES=entries, HAS_SELECTED=selected, ROUND=True, IEEE=False, FIXED_KEY_BLOCKS=False,
                            HAS_WINDOW_STARTS=False, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=512, SPLITS=1,
                            ROTARY=rotary, Q_NORM=rotary), warps, stages)
+    # the attention's latent norms (V4-Flash: q rank 1,024, KV 512 rotated in its last 64)
+    kernel = rms_norm._latent_norms_kernel
+    yield "latent_norms", kernel, _types(kernel, {"q_w_ptr": "*fp32", "kv_w_ptr": "*fp32", "pos_ptr": "*i64",
+                                                  "freq_ptr": "*fp32"}), \
+        dict(HALF=32, BLOCK_Q=1024, BLOCK_KV=512), 4, 1
 
 
 MMA = r"\b(HGMMA|QGMMA|HMMA|UTC\w*MMA)\b"

@@ -34,6 +34,10 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
     hidden, inter, experts, top_k = (96, 64, 8, 3) if tiny else (4096, 2048, 256, 6)
     for shape in ([(17, 96), (9, 40)] if tiny else [(8192, 4096), (8192, 1024)]):
         yield Case(f"rms_norm {list(shape)}", partial(_rms_norm, ops, reference, shape))
+    q_rank, kv_dim = (64, 40) if tiny else (1024, 512)  # wq_a's and wkv's outputs, one projection's column views
+    for tokens in ([1, 21] if tiny else [1, 16, 64, 8192]):
+        yield Case(f"latent_norms T={tokens} dq={q_rank} dkv={kv_dim}",
+                   partial(_latent_norms, ops, reference, tokens, q_rank, kv_dim))
     for tokens in ([1, 21] if tiny else [1, 64, 8192]):
         yield Case(f"hc_pre_norm T={tokens} n=4 D={hidden}", partial(_hc_pre_norm, ops, reference, tokens, hidden))
     # (name, N, K): wq_a, wq_b, wkv, an expert's w1
@@ -135,6 +139,22 @@ def _rms_norm(ops, reference, shape, gen, device):
     nbytes = 2 * x.numel() * 2 + weight.numel() * 4
     return (lambda: ops.rms_norm(x, weight, 1e-6), lambda: reference.rms_norm(x, weight, 1e-6),
             4 * x.numel(), nbytes, NORM_TOL, False)
+
+
+def _latent_norms(ops, reference, tokens, q_rank, kv_dim, gen, device):
+    """The attention's q and kv latent norms, kv rotated in its last 64 channels: compared as one vector."""
+    both = torch.randn(tokens, q_rank + kv_dim, device=device, generator=gen).to(torch.bfloat16)
+    rope = min(64, kv_dim // 4)
+    inv_freq = 1.0 / (160000.0 ** (torch.arange(0, rope, 2, device=device, dtype=torch.float32) / rope))
+    args = (both[:, :q_rank], torch.rand(q_rank, device=device, generator=gen) + 0.5, both[:, q_rank:],
+            torch.rand(kv_dim, device=device, generator=gen) + 0.5, 1e-6,
+            torch.randint(0, 65536, (tokens,), device=device, generator=gen), inv_freq)
+
+    def flat(op):
+        return lambda: torch.cat([out.float().flatten() for out in op(*args)])
+
+    nbytes = 2 * both.numel() * 2 + (q_rank + kv_dim) * 4
+    return flat(ops.latent_norms), flat(reference.latent_norms), 4 * both.numel(), nbytes, NORM_TOL, False
 
 
 def _hc_pre_norm(ops, reference, tokens, hidden, gen, device):

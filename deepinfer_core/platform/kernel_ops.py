@@ -177,6 +177,18 @@ class KernelOps:
         rotated = (rot * cos + swapped * sin).to(x.dtype)
         return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
 
+    def latent_norms(
+        self, q_lora: torch.Tensor, q_weight: torch.Tensor, kv_latent: torch.Tensor, kv_weight: torch.Tensor,
+        eps: float, positions: torch.Tensor, inv_freq: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's two latent norms: (rms_norm(q_lora, q_weight, eps), rope(rms_norm(kv_latent,
+        kv_weight, eps), positions, inv_freq)), each rounded as those ops round it. q_lora [T, dq] and
+        kv_latent [T, dkv] may be column views of one projection's output. A backend may run both in one
+        launch. Tolerance: as rms_norm, then rope.
+        """
+        q_latent = self.rms_norm(q_lora, q_weight, eps)
+        return q_latent, self.rope(self.rms_norm(kv_latent, kv_weight, eps), positions, inv_freq, inplace=True)
+
     @row_tiled("streams")
     def hc_pre(
         self,

@@ -87,6 +87,14 @@ def _rope_inputs(gen, dt, inverse, inplace=False):
     return (x, positions, inv_freq, inverse), {"inplace": inplace}
 
 
+def _latent_norms_inputs(gen, dt):
+    both = _randn(gen, 9, 64 + 40 + 3, dtype=dt)  # the latents as column views of one output
+    positions = torch.randint(0, 5000, (9,), generator=gen)
+    inv_freq = 1.0 / (160000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    weights = torch.rand(64, generator=gen) + 0.5, torch.rand(40, generator=gen) + 0.5
+    return (both[:, :64], weights[0], both[:, 64:104], weights[1], 1e-6, positions, inv_freq), {}
+
+
 def _hc_pre_inputs(gen, dt):
     n, d = 4, 40
     streams = _randn(gen, 7, n, d, dtype=dt)
@@ -340,6 +348,7 @@ OP_CASES: list[OpCase] = [
     OpCase("rope", "inverse", lambda g, dt: _rope_inputs(g, dt, True), rtol=_TOL_RTOL, atol=_TOL_ATOL),
     OpCase("rope", "inplace_permitted", lambda g, dt: _rope_inputs(g, dt, False, inplace=True),
            rtol=_TOL_RTOL, atol=_TOL_ATOL, given_up=(0,)),
+    OpCase("latent_norms", "column_views", _latent_norms_inputs, rtol=_TOL_RTOL, atol=_TOL_ATOL),
     OpCase("hc_pre", "four_streams", _hc_pre_inputs, rtol=_TOL_RTOL, atol=_TOL_ATOL),
     OpCase("hc_pre_norm", "four_streams", _hc_pre_norm_inputs, rtol=_TOL_RTOL, atol=_TOL_ATOL),
     OpCase("hc_post", "four_streams", _hc_post_inputs, rtol=_WIDE_RTOL, atol=_WIDE_ATOL),

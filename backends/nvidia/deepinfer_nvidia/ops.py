@@ -44,6 +44,7 @@ class TritonOps(KernelOps):
         )
 
         self._rms_norm = rms_norm.rms_norm
+        self._latent_norms = rms_norm.latent_norms
         self._linear = linear.linear
         self._linear_supported = linear.linear_supported
         self._grouped_linear = linear.grouped_linear
@@ -299,6 +300,15 @@ class TritonOps(KernelOps):
         if not self._rope_supported(inv_freq):
             return super().rope(x, positions, inv_freq, inverse)
         return self._rope(x, positions, inv_freq, inverse, inplace)
+
+    def latent_norms(
+        self, q_lora: torch.Tensor, q_weight: torch.Tensor, kv_latent: torch.Tensor, kv_weight: torch.Tensor,
+        eps: float, positions: torch.Tensor, inv_freq: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Fallback: a rotary width whose half is not a power of two.
+        if not self._rope_supported(inv_freq):
+            return super().latent_norms(q_lora, q_weight, kv_latent, kv_weight, eps, positions, inv_freq)
+        return self._latent_norms(q_lora, q_weight, kv_latent, kv_weight, eps, positions, inv_freq)
 
     def indexer_topk(
         self, q: torch.Tensor, head_weights: torch.Tensor, index_keys: torch.Tensor, ratio: int, topk: int,

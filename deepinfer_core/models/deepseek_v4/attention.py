@@ -54,9 +54,10 @@ class Attention(nn.Module):
         ops, pos = self.ops, batch.positions
         q_lora, kv_latent, *projections = self.projections(x)
         head_weights = projections.pop() if self.indexer is not None else None
-        q_latent = self.q_norm(q_lora)
+        q_latent, kv = ops.latent_norms(
+            q_lora, self.q_norm.weight, kv_latent, self.kv_norm.weight, self.q_norm.eps, pos, self.inv_freq
+        )
         q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)  # normalised and rotated by the attention
-        kv = ops.rope(self.kv_norm(kv_latent), pos, self.inv_freq, inplace=True)
         # Every row of the step reaches the cache; this process's queries (`batch`) read it.
         keys, step = self.step_rows.share_keys([kv, *projections], batch, cache.window)
         step_kv, projections = keys[0], keys[1:]

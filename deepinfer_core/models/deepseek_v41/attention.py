@@ -81,9 +81,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         ops, pos = self.ops, batch.positions
         q_lora, kv_latent = self.latents(x)
-        q_latent = self.q_norm(q_lora)
+        q_latent, kv = ops.latent_norms(
+            q_lora, self.q_norm.weight, kv_latent, self.kv_norm.weight, self.q_norm.eps, pos, self.inv_freq
+        )
         q = self.wq_b(q_latent).view(-1, self.n_heads, self.head_dim)  # rotated by the attention
-        kv = self.kv.window(ops.rope(self.kv_norm(kv_latent), pos, self.inv_freq))
+        kv = self.kv.window(kv)
         if self.compressor is not None:
             state.band = BandState(self.layer, cache.bands[self.layer])
             self._publish(x, batch, state.band)
