@@ -73,8 +73,9 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
         moe_pointers.update({n: weight for n in ("w1_ptr", "w3_ptr", "sw1_ptr", "sw3_ptr", "w2_ptr", "sw2_ptr")})
         yield f"moe_gate_up[{weight[1:]}]", fused_moe._gate_up_kernel, _types(fused_moe._gate_up_kernel, moe_pointers), \
             moe, warps, stages
-        down = dict(moe_pointers, act_ptr=activations)
-        yield f"moe_down[{weight[1:]}]", fused_moe._down_kernel, _types(fused_moe._down_kernel, down), moe, warps, stages
+        down = dict(moe_pointers, act_ptr=activations, counter_ptr="*i32")
+        yield f"moe_down[{weight[1:]}]", fused_moe._down_kernel, _types(fused_moe._down_kernel, down), \
+            dict(moe, SUM_SLOTS=0), warps, stages
     # one row of x and an fp8 weight on CUDA cores (`linear.one_row_tiles`)
     block_m, block_n, block_k, warps, stages = linear.tile_config(1, 1, one_row=True)
     yield "linear[fp8e4nv, one row]", linear._linear_kernel, _types(linear._linear_kernel, {
@@ -95,7 +96,9 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
     registers = fused_moe.gate_up_registers(moe["FORMAT"], 1)  # (a launch option: `_compile` takes it out)
     yield ("moe_gate_up[i32+fp8 shared, decode]", gate_up, _types(gate_up, mixed), dict(moe, maxnreg=registers), warps,
            stages)
-    yield "moe_down[i32+fp8 shared, decode]", down, _types(down, mixed), moe, warps, stages
+    # a decode step sums each token's 7 slots in the down launch (`fused_moe.slot_sum_in_down_launch`)
+    yield "moe_down[i32+fp8 shared, decode]", down, _types(down, dict(mixed, counter_ptr="*i32")), \
+        dict(moe, SUM_SLOTS=7), warps, stages
     kernel = sparse_attention._sparse_attention_kernel
     attention_pointers = {"sinks_ptr": "*fp32", "part_ptr": "*fp32", "stats_ptr": "*fp32", "freq_ptr": "*fp32",
                           **{n: "*i32" for n in ("selected_ptr", "token_seq_ptr", "query_start_ptr", "context_lens_ptr",

@@ -118,6 +118,37 @@ def test_the_slot_sum_stores_the_activation_dtype_with_one_rounding():
     assert torch.equal(stored, summed.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "fp4"])
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_the_down_launch_sums_the_slots_as_the_slot_sum_launch_does(monkeypatch, fmt, with_shared):
+    """The last of a token's rows to arrive (per column tile) sums its slots in the down launch: the same bits
+    as the separate slot-sum launch, a token's repeated expert (hash routing may repeat one) included, and every
+    arrival counter is zero again after it."""
+    from deepinfer_kernels import fused_moe
+
+    x, weights, ids, mlps, shared = _inputs(fmt, torch.bfloat16, 23, seed=12)
+    ids[::4, 1] = ids[::4, 0]
+    stack = TritonOps()._stack(mlps, x.device)
+    shared = shared if with_shared else None
+    assert fused_moe.slot_sum_in_down_launch(23, 3, held_all=True)
+    in_down = moe_routed(x, weights, ids, stack, 1.5, shared=shared, out_dtype=torch.bfloat16)
+    counters = fused_moe.arrival_counters("MoE slot-sum", x.device, 0)  # the pool the launch made
+    assert counters.numel() == fused_moe._SLOT_SUM_COUNTERS and not counters.any(), "the last arrival resets its counter"
+    monkeypatch.setattr(fused_moe, "slot_sum_in_down_launch", lambda *_: False)
+    apart = moe_routed(x, weights, ids, stack, 1.5, shared=shared, out_dtype=torch.bfloat16)
+    assert torch.equal(in_down, apart)
+    assert_matches(in_down, KernelOps().fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[torch.bfloat16])
+
+
+def test_the_slot_sum_leaves_the_down_launch_when_experts_live_elsewhere_or_counters_run_out():
+    """Pairs of experts held elsewhere are never stored here (their tokens' counts would never complete)."""
+    from deepinfer_kernels.fused_moe import _SLOT_SUM_COUNTERS, slot_sum_in_down_launch
+
+    assert not slot_sum_in_down_launch(1, 128, held_all=False)
+    assert slot_sum_in_down_launch(_SLOT_SUM_COUNTERS // 128, 128, held_all=True)
+    assert not slot_sum_in_down_launch(_SLOT_SUM_COUNTERS // 128 + 1, 128, held_all=True)
+
+
 @pytest.mark.parametrize("fmt,fp8_activations", [("dense", False), ("fp8", False), ("fp8", True), ("fp4", False)])
 def test_prefill_tiles_run_half_empty_row_blocks_as_half_tiles(monkeypatch, fmt, fp8_activations):
     """128-row blocks (the prefill tiles): the routed experts' runs (~43 rows) end in blocks of more than

@@ -68,9 +68,9 @@ def test_split_k_matches_reference(dtype, fmt):
     out = linear(x, weight, scale, block, num_sms=132)
     assert_matches(out, KernelOps().linear(x, weight, scale, block), TOLERANCE[dtype])
     assert torch.equal(out, linear(x, weight, scale, block, num_sms=132)), "not the same on every run"
-    from deepinfer_kernels.linear import _counters
+    from deepinfer_kernels.linear import _arrival_counters
 
-    assert not _counters[x.device].any(), "the last arrival of each tile resets its counter"
+    assert not _arrival_counters(x.device, 1).any(), "the last arrival of each tile resets its counter"
 
 
 @pytest.mark.parametrize("num_sms", [None, 132])

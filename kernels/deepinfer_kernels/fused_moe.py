@@ -4,8 +4,10 @@ Plan (`moe_plan`, three small launches or one for a decode token, no host sync):
 are sorted by expert and each expert's run is padded to a multiple of BLOCK_M, so every row block of the
 padded order belongs to one expert. Launch 1 computes a = silu(min(w1 x, L)) * clamp(w3 x, -L, L) for each
 padded row (both projections in one program, the clamped SwiGLU in the epilogue). Launch 2 computes w2 a,
-multiplies the routing weight and writes the pair's row of y [T*k, D]; the k rows of a token are summed afterwards in
-float32 (deterministic: no atomics). Weights are stacked per projection, w1 / w3 / w2 [E, N, K] (+ scales
+multiplies the routing weight and writes the pair's row of y [T*k, D]; the k rows of a token are summed in slot order in
+float32 (deterministic: no atomic adds of values), by the program whose row of the token arrives last on an arrival
+counter (`arrival_counters`) in the same launch, or, with expert parallelism and in steps too large for the
+counters, by a third launch. Weights are stacked per projection, w1 / w3 / w2 [E, N, K] (+ scales
 [E, ...]), so each expert can stay a separate parameter that views its slice of the stack. The shared
 expert is one more pair per token (stack index E_held, its own weight pointers, weight 1): no separate
 MLP launches, and x read and quantised once. Stored in fp8 beside fp4 experts (the fp4 checkpoints), its
@@ -27,6 +29,7 @@ import triton.language as tl
 
 from deepinfer_core.platform.kernel_ops import MlpWeights
 from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, quantize_fp8_rows
+from deepinfer_kernels.arrival_counters import arrival_counters
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 from deepinfer_kernels.moe_plan import moe_plan
 from deepinfer_kernels.weight_tiles import (
@@ -36,7 +39,7 @@ from deepinfer_kernels.weight_tiles import (
 
 __all__ = [
     "StackedExperts", "fp4_kernel_format", "gate_up_registers", "half_tails", "moe_routed", "moe_supported",
-    "shared_fusable", "step_pairs", "tile_config",
+    "shared_fusable", "slot_sum_in_down_launch", "step_pairs", "tile_config",
 ]
 
 
@@ -264,13 +267,14 @@ def _down_sums(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, as_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, route_w_ptr, row_entry_ptr, block_expert_ptr,
-    N, K, TOP_K, NUM_ROUTED,
+    act_ptr, as_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, total_ptr, counter_ptr, route_w_ptr, row_entry_ptr,
+    block_expert_ptr, N, K, TOP_K, NUM_ROUTED,
     stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_ym,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
     SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr, HALF_TAILS: tl.constexpr, PRESCALED: tl.constexpr, PDL: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, HALF_TAILS: tl.constexpr, PRESCALED: tl.constexpr, SUM_SLOTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
     pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)  # row block by row block, as in `_gate_up_kernel`
@@ -279,30 +283,32 @@ def _down_kernel(
     if expert >= NUM_ROUTED + SHARED:
         return
     if HALF_TAILS and tl.load(row_entry_ptr + pid_m * BLOCK_M + BLOCK_M // 2) < 0:  # as in `_gate_up_kernel`
-        _down_rows(act_ptr, as_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, route_w_ptr, row_entry_ptr,
-                   pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, stride_am, stride_asm, stride_we,
-                   stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_ym, FORMAT, SCALE_BN, SCALE_BK,
-                   BLOCK_M // 2, BLOCK_N, BLOCK_K, IEEE, A8, SHARED, SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK,
-                   SHARED_BLOCK_K, PRESCALED)
+        _down_rows(act_ptr, as_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, total_ptr, counter_ptr, route_w_ptr,
+                   row_entry_ptr, pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, stride_am, stride_asm,
+                   stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_ym, FORMAT, SCALE_BN,
+                   SCALE_BK, BLOCK_M // 2, BLOCK_N, BLOCK_K, IEEE, A8, SHARED, SHARED_FORMAT, SHARED_SCALE_BN,
+                   SHARED_SCALE_BK, SHARED_BLOCK_K, PRESCALED, SUM_SLOTS)
     else:
-        _down_rows(act_ptr, as_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, route_w_ptr, row_entry_ptr,
-                   pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, stride_am, stride_asm, stride_we,
-                   stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_ym, FORMAT, SCALE_BN, SCALE_BK,
-                   BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8, SHARED, SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK,
-                   SHARED_BLOCK_K, PRESCALED)
+        _down_rows(act_ptr, as_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, total_ptr, counter_ptr, route_w_ptr,
+                   row_entry_ptr, pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, stride_am, stride_asm,
+                   stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_ym, FORMAT, SCALE_BN,
+                   SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8, SHARED, SHARED_FORMAT, SHARED_SCALE_BN,
+                   SHARED_SCALE_BK, SHARED_BLOCK_K, PRESCALED, SUM_SLOTS)
 
 
 @triton.jit
 def _down_rows(
-    act_ptr, as_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, route_w_ptr, row_entry_ptr, row0, expert, pid_n,
-    N, K, TOP_K, NUM_ROUTED,
+    act_ptr, as_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, total_ptr, counter_ptr, route_w_ptr, row_entry_ptr, row0,
+    expert, pid_n, N, K, TOP_K, NUM_ROUTED,
     stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_ym,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
     SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr, PRESCALED: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, PRESCALED: tl.constexpr, SUM_SLOTS: tl.constexpr,
 ):
-    """y for BLOCK_M rows from row0 of `expert`'s run (launch 2 of `moe_routed`)."""
+    """y for BLOCK_M rows from row0 of `expert`'s run (launch 2 of `moe_routed`). SUM_SLOTS (`slot_sum_in_down_launch`:
+    the slots of a token, or 0): each row then arrives on its token's counter for this column tile, and the program
+    whose row arrives last sums the token's SUM_SLOTS rows into total."""
     offs_m = row0 + tl.arange(0, BLOCK_M)
     entry = tl.load(row_entry_ptr + offs_m)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -327,25 +333,45 @@ def _down_rows(
         y = y.to(tl.float32) * _route_weights(route_w_ptr, entry, TOP_K, SHARED)[:, None]
     tl.store(y_ptr + tl.where(valid, entry, 0).to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
              y.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+    if SUM_SLOTS:
+        tl.debug_barrier()  # every thread's rows are written before the release below
+        token = tl.where(valid, entry // SUM_SLOTS, 0)
+        counters = counter_ptr + token * tl.cdiv(N, BLOCK_N) + pid_n
+        last = valid & (tl.atomic_add(counters, 1, mask=valid, sem="acq_rel", scope="gpu") == SUM_SLOTS - 1)
+        # from L2 (.cg): this SM's L1 never holds the rows other SMs stored
+        _sum_slots(y_ptr, total_ptr, token.to(tl.int64)[:, None], offs_n[None, :],
+                   last[:, None] & (offs_n[None, :] < N), N, SUM_SLOTS, ".cg")
+        tl.store(counters, 0, mask=last)
 
 
 # Columns per program of the slot sum: 1,024 bf16 are 16 bytes per thread and load at 4 warps.
 _SUM_COLUMNS = 1024
+# Arrival counters of the slot sums in the down launch, one per (token, column tile), 128 KiB a device: 256 tokens of
+# V4-Flash's hidden 4,096 in the fp4 decode tiles' 32 columns (204 of V4.1's 5,120), twice as many in 64-column
+# tiles; never the prefill tiles at those sizes (8,192 pairs: 1,171 tokens at top-6 with the shared expert).
+_SLOT_SUM_COUNTERS = 32768
 
 
 @triton.jit
 def _sum_slots_kernel(y_ptr, out_ptr, D, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = y[t, 0] + y[t, 1] + ... in float32 (then rounded to out's dtype), in slot order (the shared
-    expert last): a token's sum never depends on the batch. 0.84 of the copy bandwidth at 8,192 tokens,
-    torch's sum over the slot dim 0.50 (BENCHMARKS.md)."""
+    """`_sum_slots` a program per token and BLOCK_D columns, after the down launch (`slot_sum_in_down_launch`).
+    0.84 of the copy bandwidth at 8,192 tokens, torch's sum over the slot dim 0.50 (BENCHMARKS.md)."""
     wait_for_previous_grid(PDL)
-    token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    ok = cols < D
-    total = tl.load(y_ptr + token * SLOTS * D + cols, mask=ok, other=0.0).to(tl.float32)
+    _sum_slots(y_ptr, out_ptr, tl.program_id(0).to(tl.int64), cols, cols < D, D, SLOTS, "")
+
+
+@triton.jit
+def _sum_slots(y_ptr, out_ptr, token, cols, mask, D, SLOTS: tl.constexpr, CACHE: tl.constexpr):
+    """out[token, cols] = y[token, 0] + y[token, 1] + ... over the token's SLOTS rows of y (row token * SLOTS +
+    slot) in float32, in slot order (the shared expert last), rounded once to out's dtype: a token's sum never
+    depends on the batch, nor on which program sums it. y and out are contiguous rows of D; token and cols
+    broadcast against each other; CACHE: the loads' cache modifier."""
+    first = token * SLOTS
+    total = tl.load(y_ptr + first * D + cols, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
     for slot in tl.static_range(1, SLOTS):
-        total += tl.load(y_ptr + (token * SLOTS + slot) * D + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + token * D + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
+        total += tl.load(y_ptr + (first + slot) * D + cols, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    tl.store(out_ptr + token * D + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # Steps of this many (token, expert) pairs or more take the prefill tiles.
@@ -397,6 +423,16 @@ def half_tails(block_m: int, batch_invariant: bool) -> bool:
     empty: a fifth of the MMA rows were padding. Not in batch-invariant mode (a row's tile shape would
     depend on its batch) nor with decode tiles (8 or 16 rows: too few to halve)."""
     return block_m >= 128 and not batch_invariant
+
+
+def slot_sum_in_down_launch(tokens: int, column_tiles: int, held_all: bool) -> bool:
+    """Whether the down launch sums each token's slots itself (`_down_rows`' SUM_SLOTS: the program whose row of
+    the token arrives last on its counter for the column tile) instead of `_sum_slots_kernel` after it: a launch
+    and its boundary fewer in a latency-bound decode step. Only when every expert is held (with expert parallelism
+    the pairs of experts held elsewhere are never stored here: their tokens' counts would never complete, nor their
+    counters reset) and the step's tokens * column_tiles counters fit in `_SLOT_SUM_COUNTERS`. Both ways a token's
+    sum is the same bits (`_sum_slots` over its stored rows), so batch-invariant mode takes the same rule."""
+    return held_all and tokens * column_tiles <= _SLOT_SUM_COUNTERS
 
 
 def moe_supported(experts: StackedExperts, fp8_activations: bool) -> bool:
@@ -530,17 +566,20 @@ def moe_routed(
     held_all = bool(experts.num_held == experts.local_ids.shape[0])
     alloc = torch.empty if held_all else torch.zeros
     y = alloc((tokens * slots, hidden), dtype=x.dtype, device=x.device)
+    total = torch.empty((tokens, hidden), dtype=out_dtype, device=x.device)
+    column_tiles = triton.cdiv(hidden, block_n)
+    sum_in_down = slot_sum_in_down_launch(tokens, column_tiles, held_all)
+    counters = arrival_counters("MoE slot-sum", x.device, _SLOT_SUM_COUNTERS) if sum_in_down else y  # y: never read
     act_in, act_scales = quantize_fp8_rows(act, block_k) if a8 else (act, act)
-    _down_kernel[(block_expert.shape[0] * triton.cdiv(hidden, block_n),)](
-        act_in, act_scales, w2, s2, sw2, ss2, y, route_w, row_entry, block_expert,
+    _down_kernel[(block_expert.shape[0] * column_tiles,)](
+        act_in, act_scales, w2, s2, sw2, ss2, y, total, counters, route_w, row_entry, block_expert,
         hidden, inter, top_k, experts.num_held,
         act_in.stride(0), act_scales.stride(0), w2.stride(0), w2.stride(1), se2, sn2, *shared_strides[1], y.stride(0),
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, **shared_args,
-        num_warps=warps, num_stages=stages, **launch_options(x.device),
+        SUM_SLOTS=slots if sum_in_down else 0, num_warps=warps, num_stages=stages, **launch_options(x.device),
     )
-    total = torch.empty((tokens, hidden), dtype=out_dtype, device=x.device)
-    if tokens:
+    if tokens and not sum_in_down:
         _sum_slots_kernel[(tokens, triton.cdiv(hidden, _SUM_COLUMNS))](
             y, total, hidden, SLOTS=slots, BLOCK_D=_SUM_COLUMNS, **launch_options(y.device)
         )

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, quantize_fp8_rows
+from deepinfer_kernels.arrival_counters import arrival_counters
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 from deepinfer_kernels.weight_tiles import as_kernel_weight, e8m0_to_float, fp8_tiles, load_weight_tile, weight_format
 
@@ -33,7 +34,6 @@ _ARRIVAL_COUNTERS = 1024
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of one row on CUDA cores (`one_row_tiles`).
 ONE_ROW_TILE = (1, 64, 128, 4, 3)
 FLOAT32_ROW_TILES = 16
-_counters: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -278,13 +278,7 @@ def grouped_linear(
 
 
 def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The device's split-K arrival counters (zero between launches: the last arrival resets its own)."""
+    """The device's split-K arrival counters (`arrival_counters`)."""
     if tiles > _ARRIVAL_COUNTERS:
         raise ValueError(f"a split-K launch of {tiles} output tiles exceeds the {_ARRIVAL_COUNTERS} arrival counters")
-    if device not in _counters:
-        # Zeroed inside a graph capture, they would only be zeroed when that one graph replays.
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the split-K arrival counters are allocated by a device's first split-K launch, "
-                               "which must not be inside a graph capture: run the step once before capturing it")
-        _counters[device] = torch.zeros(_ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
+    return arrival_counters("split-K", device, _ARRIVAL_COUNTERS)
