@@ -30,12 +30,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler import compile as triton_compile  # noqa: E402
 
-from deepinfer_kernels import fused_moe, linear, rms_norm, sparse_attention  # noqa: E402
+from deepinfer_kernels import fused_moe, hyper_connection, linear, rms_norm, sparse_attention  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 WEIGHT_TYPES = {0: "*bf16", 1: "*fp8e4nv", 2: "*i32"}  # fp4: int32 words of eight codes
 FLOAT_SCALARS = {"scale", "q_eps", "eps", "limit"}
-NOT_DIVISIBLE = {"ratio", "TOP_K", "SPLITS"}  # small or odd at the real shapes
+NOT_DIVISIBLE = {"ratio", "TOP_K", "SPLITS", "FN_ROWS"}  # small or odd at the real shapes
 
 
 def _types(fn, pointers: dict[str, str], default_pointer: str = "*bf16") -> dict[str, str]:
@@ -118,6 +118,34 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
     yield "latent_norms", kernel, _types(kernel, {"q_w_ptr": "*fp32", "kv_w_ptr": "*fp32", "pos_ptr": "*i64",
                                                   "freq_ptr": "*fp32"}), \
         dict(HALF=32, BLOCK_Q=1024, BLOCK_KV=512), 4, 1
+    yield from _hc_variants()
+
+
+def _hc_variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
+    """The mHC stream update alone and with the next site's partial sums, and those sums alone, at V4-Flash's
+    n = 4, D = 4096 (fn's 24 rows padded to 32) with bf16 streams, at decode and prefill tiles."""
+    n, stages = 4, 3  # stages: the launches leave Triton's default
+    floats = {name: "*fp32" for name in ("post_ptr", "comb_ptr", "fn_ptr", "part_ptr")}
+    update = hyper_connection._hc_update_kernel
+    for round_terms in (True, False):  # `hc_update`'s 1024 columns a program and default 4 warps
+        yield f"hc_update[{_hc_model(round_terms)}]", update, _types(update, floats), \
+            dict(N=n, ROUND_TERMS=round_terms, BLOCK_D=1024), 4, stages
+    fnp, width = 32, 33
+    update_mix, mix = hyper_connection._hc_update_mix_partial_kernel, hyper_connection._hc_mix_partial_kernel
+    for kind, tokens in (("decode", 1), ("prefill", 8192)):
+        chunk, block_k, block_t, warps = hyper_connection.tile_config(tokens, False)
+        yield f"hc_mix_partial[{kind}]", mix, _types(mix, floats), dict(
+            FNP=fnp, WIDTH=width, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k, SPLIT_BF16=True), warps, stages
+        columns, block_d, block_t, warps = hyper_connection.update_mix_tiles(tokens, n, False)
+        for round_terms in (True, False):
+            yield f"hc_update_mix_partial[{kind}, {_hc_model(round_terms)}]", update_mix, \
+                _types(update_mix, floats), dict(N=n, ROUND_TERMS=round_terms, FNP=fnp, WIDTH=width, COLUMNS=columns,
+                                                 BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BF16=True), warps, stages
+
+
+def _hc_model(round_terms: bool) -> str:
+    """The model whose stream update rounds each term (V4's `hc_post`) or only the sum (V4.1's `hc_expand`)."""
+    return "V4" if round_terms else "V4.1"
 
 
 MMA = r"\b(HGMMA|QGMMA|HMMA|UTC\w*MMA)\b"

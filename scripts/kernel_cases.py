@@ -40,6 +40,9 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
                    partial(_latent_norms, ops, reference, tokens, q_rank, kv_dim))
     for tokens in ([1, 21] if tiny else [1, 64, 8192]):
         yield Case(f"hc_pre_norm T={tokens} n=4 D={hidden}", partial(_hc_pre_norm, ops, reference, tokens, hidden))
+        for model, round_terms in (("V4", True), ("V4.1", False)):
+            yield Case(f"hc_update_mix {model} T={tokens} n=4 D={hidden}",
+                       partial(_hc_update_mix, ops, reference, tokens, hidden, round_terms))
     # (name, N, K): wq_a, wq_b, wkv, an expert's w1
     projections = ([("wq_b", 80, 64), ("w1", 64, 96)] if tiny else
                    [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096), ("w1", 2048, 4096)])
@@ -159,18 +162,46 @@ def _latent_norms(ops, reference, tokens, q_rank, kv_dim, gen, device):
 
 def _hc_pre_norm(ops, reference, tokens, hidden, gen, device):
     """mHC before a block with the block's input norm: (block input, post, comb) compared as one vector."""
+    streams, mix = _hc_streams(tokens, hidden, gen, device), _hc_mix_weights(hidden, gen, device)
+    args = (streams, *mix, torch.rand(hidden, device=device, generator=gen) + 0.5, 1e-6)
+    fn = mix[0]
+    nbytes = streams.numel() * 2 + fn.numel() * 4 + tokens * hidden * 2
+    return (_flattened(ops.hc_pre_norm, args), _flattened(reference.hc_pre_norm, args), 2 * fn.numel() * tokens,
+            nbytes, NORM_TOL, False)
+
+
+def _hc_update_mix(ops, reference, tokens, hidden, round_terms, gen, device):
+    """A block's stream update (V4's `hc_post` or V4.1's `hc_expand`) with the next site's mix of the new streams:
+    (new streams, pre, post, comb) compared as one vector, the bf16 streams' rounding bounding it."""
+    streams, mix = _hc_streams(tokens, hidden, gen, device), _hc_mix_weights(hidden, gen, device)
+    n = streams.shape[1]
+    block_out = (torch.randn(tokens, hidden, device=device, generator=gen) * 2).to(torch.bfloat16)
+    comb = torch.softmax(torch.randn(tokens, n, n, device=device, generator=gen), dim=-1)
+    post = 2 * torch.sigmoid(torch.randn(tokens, n, device=device, generator=gen))
+    args = (block_out, streams, post, comb, *mix, round_terms)
+    fn = mix[0]
+    flops = 2 * fn.numel() * tokens + 2 * n * (n + 1) * hidden * tokens
+    nbytes = 2 * streams.numel() * 2 + block_out.numel() * 2 + fn.numel() * 4
+    return (_flattened(ops.hc_update_mix, args), _flattened(reference.hc_update_mix, args), flops, nbytes,
+            NORM_TOL, False)
+
+
+def _hc_streams(tokens, hidden, gen, device):
+    """n = 4 bf16 residual streams [tokens, 4, hidden]."""
+    return (torch.randn(tokens, 4, hidden, device=device, generator=gen) * 2).to(torch.bfloat16)
+
+
+def _hc_mix_weights(hidden, gen, device):
+    """(fn, base, scale, norm_eps, hc_eps, sinkhorn_iters) of a site's mix over 4 streams of `hidden`."""
     n, k = 4, 4 * hidden
-    streams = (torch.randn(tokens, n, hidden, device=device, generator=gen) * 2).to(torch.bfloat16)
     fn = torch.randn((2 + n) * n, k, device=device, generator=gen) / math.sqrt(k)
     base = torch.randn((2 + n) * n, device=device, generator=gen) * 0.5
-    scale = torch.rand(3, device=device, generator=gen) + 0.5
-    args = (streams, fn, base, scale, 1e-6, 1e-6, 20, torch.rand(hidden, device=device, generator=gen) + 0.5, 1e-6)
+    return fn, base, torch.rand(3, device=device, generator=gen) + 0.5, 1e-6, 1e-6, 20
 
-    def flat(op):
-        return lambda: torch.cat([out.float().flatten() for out in op(*args)])
 
-    nbytes = streams.numel() * 2 + fn.numel() * 4 + tokens * hidden * 2
-    return flat(ops.hc_pre_norm), flat(reference.hc_pre_norm), 2 * fn.numel() * tokens, nbytes, NORM_TOL, False
+def _flattened(op, args):
+    """op(*args)'s outputs as one float32 vector."""
+    return lambda: torch.cat([out.float().flatten() for out in op(*args)])
 
 
 def _quantized(w: torch.Tensor, fmt: str, block: tuple[int, int]):

@@ -1,5 +1,5 @@
-"""Triton mHC kernels (`hc_mix`, `hc_collapse` with and without the block's input norm, `hc_update`, the final
-head) against the reference ops, through the interpreter."""
+"""Triton mHC kernels (`hc_mix`, `hc_collapse` with and without the block's input norm, `hc_update` alone and
+with the next site's `hc_mix`, the final head) against the reference ops, through the interpreter."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from kernel_checks import assert_matches
 
 from deepinfer_core.platform.kernel_ops import KernelOps
-from deepinfer_kernels.hyper_connection import hc_collapse, hc_mix, hc_update
+from deepinfer_kernels.hyper_connection import hc_collapse, hc_mix, hc_update, hc_update_mix
 from deepinfer_kernels.rms_norm import rms_norm
 from deepinfer_nvidia.ops import TritonOps
 
@@ -31,6 +31,20 @@ def _mix_args(gen, t, n, d, dtype, norm_eps=1e-6, iters=20):
     fn = torch.randn((2 + n) * n, n * d, generator=gen) * 0.1
     base, scale = torch.randn((2 + n) * n, generator=gen) * 0.5, torch.rand(3, generator=gen) + 0.5
     return streams, fn, base, scale, norm_eps, 1e-6, iters
+
+
+def _update_args(gen, t, n, d, dtype):
+    """(block_out, streams, post, comb) of `hc_update` / `hc_post`."""
+    block_out, streams = (torch.randn(t, d, generator=gen) * 2).to(dtype), _streams(gen, t, n, d, dtype)
+    comb = torch.softmax(torch.randn(t, n, n, generator=gen), dim=-1)
+    post = 2 * torch.sigmoid(torch.randn(t, n, generator=gen))
+    return block_out, streams, post, comb
+
+
+def _update_mix_args(seed, t, n, d, dtype):
+    """(`hc_update`'s arguments, the next site's (fn, base, scale, norm_eps, hc_eps, sinkhorn_iters))."""
+    gen = torch.Generator().manual_seed(seed)
+    return _update_args(gen, t, n, d, dtype), _mix_args(gen, t, n, d, dtype)[1:]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -81,11 +95,41 @@ def test_collapse_with_the_norm_equals_the_two_kernels(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("round_terms", [True, False])
 def test_hc_update_matches_reference(dtype, round_terms):
-    gen = torch.Generator().manual_seed(4)
-    t, n, d = 7, 4, 72
-    block_out, streams = (torch.randn(t, d, generator=gen) * 2).to(dtype), _streams(gen, t, n, d, dtype)
-    comb = torch.softmax(torch.randn(t, n, n, generator=gen), dim=-1)
-    post = 2 * torch.sigmoid(torch.randn(t, n, generator=gen))
+    args = _update_args(torch.Generator().manual_seed(4), 7, 4, 72, dtype)
     reference = KernelOps().hc_post if round_terms else KernelOps().hc_expand
-    assert_matches(hc_update(block_out, streams, post, comb, round_terms),
-                   reference(block_out, streams, post, comb), UPDATE_TOL[dtype])
+    assert_matches(hc_update(*args, round_terms), reference(*args), UPDATE_TOL[dtype])
+
+
+# T <= 64: decode tiles (32 columns of D a program, so 2 or 3 programs a row here); 70: prefill tiles (64 rows
+# a program, the second one masked past row 70; 256 columns, 3 steps of 32 at D = 96).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("round_terms", [True, False])
+@pytest.mark.parametrize("t,d", [(1, 96), (7, 40), (70, 96)])
+def test_hc_update_mix_is_hc_update_then_hc_mix(dtype, round_terms, t, d):
+    """The new streams are `hc_update`'s bits; the coefficients `hc_mix`'s of them but for the float32 order of
+    the partial sums; all within the reference op's bounds."""
+    update, mix = _update_mix_args(t + d, t, 4, d, dtype)
+    streams, *coefficients = hc_update_mix(*update, *mix, round_terms)
+    assert torch.equal(streams, hc_update(*update, round_terms))
+    for out, ref in zip(coefficients, hc_mix(streams, *mix)):
+        assert_matches(out, ref, 1e-6)  # the partial sums' order alone: up to 3e-7 here
+    for out, ref in zip((streams, *coefficients), KernelOps().hc_update_mix(*update, *mix, round_terms)):
+        assert_matches(out, ref, UPDATE_TOL[dtype])
+
+
+@pytest.mark.parametrize("round_terms", [True, False])
+def test_hc_update_mix_rows_are_batch_invariant(round_terms):
+    """With batch_invariant, a row's four results are the same bits alone as in a batch of 70 (prefill-sized:
+    other tiles without it)."""
+    update, mix = _update_mix_args(5, 70, 4, 96, torch.bfloat16)
+    batch = hc_update_mix(*update, *mix, round_terms, batch_invariant=True)
+    for row in (0, 69):
+        alone = hc_update_mix(*(x[row:row + 1] for x in update), *mix, round_terms, batch_invariant=True)
+        for out, in_batch in zip(alone, batch):
+            assert torch.equal(out, in_batch[row:row + 1])
+
+
+def test_hc_update_mix_of_no_rows():
+    update, mix = _update_mix_args(6, 0, 4, 40, torch.bfloat16)
+    shapes = [tuple(out.shape) for out in hc_update_mix(*update, *mix, round_terms=True)]
+    assert shapes == [(0, 4, 40), (0, 4), (0, 4), (0, 4, 4)]

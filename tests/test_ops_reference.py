@@ -16,8 +16,8 @@ from deepinfer_core.quantization import dequantize_fp4, dequantize_fp8_block, qu
 OPS = KernelOps()
 MODEL_OPS = [
     "rms_norm", "latent_norms", "linear", "grouped_linear", "logits", "embedding", "hc_embedding", "rope", "hc_pre",
-    "hc_pre_norm", "hc_post", "hc_head", "compress_kv", "indexer_topk", "top_entries", "sparse_attention",
-    "store_window", "route", "fused_moe",
+    "hc_pre_norm", "hc_update_mix", "hc_collapse_norm", "hc_post", "hc_head", "compress_kv", "indexer_topk",
+    "top_entries", "sparse_attention", "store_window", "route", "fused_moe",
 ]
 
 

@@ -221,8 +221,17 @@ class KernelOps:
         comb). A backend may fuse the two (the collapsed input is rounded to streams.dtype before the norm
         either way). Tolerance: float32 1e-5, bfloat16 1.6e-2 relative.
         """
-        collapsed, post, comb = self.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
-        return self.rms_norm(collapsed, input_weight, input_eps), post, comb
+        pre, post, comb = self.hc_mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+        return self.hc_collapse_norm(streams, pre, input_weight, input_eps), post, comb
+
+    def hc_collapse_norm(
+        self, streams: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """A block's input: rms_norm(hc_collapse(streams, pre), weight, eps), the collapse rounded to streams.dtype
+        before the norm. streams [T, n, D]; pre [T, n] float32; weight [D] float32. Returns [T, D] streams.dtype.
+        A backend may fuse the two. Tolerance: float32 1e-5, bfloat16 1.6e-2 relative.
+        """
+        return self.rms_norm(self.hc_collapse(streams, pre), weight, eps)
 
     @row_tiled("block_out", "streams", "post", "comb")
     def hc_post(
@@ -599,6 +608,21 @@ class KernelOps:
         """
         mixed = torch.matmul(comb.float().transpose(-1, -2), streams.float())
         return (post.float().unsqueeze(-1) * block_out.float().unsqueeze(-2) + mixed).to(streams.dtype)
+
+    def hc_update_mix(
+        self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+        fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float, hc_eps: float,
+        sinkhorn_iters: int, round_terms: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A site's stream update, then the next site's coefficients from the new streams: (new streams, pre,
+        post, comb). The update is `hc_post` (round_terms=True, V4) or `hc_expand` (False, V4.1) of (block_out,
+        streams, post, comb); the coefficients are `hc_mix` of the new streams with (fn, base, scale, norm_eps,
+        hc_eps, sinkhorn_iters). A backend may fuse the two (one pass over the streams).
+        Tolerance: the streams as `hc_post` / `hc_expand`, the coefficients as `hc_mix`.
+        """
+        update = self.hc_post if round_terms else self.hc_expand
+        streams = update(block_out, streams, post, comb)
+        return streams, *self.hc_mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
 
     @row_tiled("x")
     def route_fp32(

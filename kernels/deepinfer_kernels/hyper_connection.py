@@ -1,5 +1,6 @@
 """Hyper-connection (mHC) kernels: the mixing coefficients with their Sinkhorn normalisation in one
-pass over the streams, the collapse to a block input, and the stream update after a block.
+pass over the streams, the collapse to a block input, and the stream update after a block, alone or with
+the next site's coefficients in the same pass.
 
 Every program owns whole rows (tokens) and reduces in a fixed order, so a row's result never depends
 on the other rows of the batch (batch-invariant by construction).
@@ -13,7 +14,7 @@ import triton.language as tl
 
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 
-__all__ = ["hc_collapse", "hc_head_weights", "hc_mix", "hc_update", "tile_config"]
+__all__ = ["hc_collapse", "hc_head_weights", "hc_mix", "hc_update", "hc_update_mix", "tile_config", "update_mix_tiles"]
 
 
 def tile_config(tokens: int, batch_invariant: bool) -> tuple[int, int, int, int]:
@@ -28,6 +29,16 @@ def tile_config(tokens: int, batch_invariant: bool) -> tuple[int, int, int, int]
     if tokens <= 64:
         return 128, 32, 16, 2
     return 1024, 64, 64, 4
+
+
+def update_mix_tiles(tokens: int, n: int, batch_invariant: bool) -> tuple[int, int, int, int]:
+    """(COLUMNS, BLOCK_D, BLOCK_T, warps) of `hc_update_mix`'s partial launch: `tile_config`'s rows and warps;
+    each program takes COLUMNS columns of D in all n streams, `hc_mix`'s chunk of flat columns over n (rounded up
+    to a power of two, so that COLUMNS is one and BLOCK_D divides it), in steps of BLOCK_D = 32: with 64 the
+    prefill tile spills (`scripts/compile_kernels.py`; not timed on a GPU)."""
+    chunk, _, block_t, warps = tile_config(tokens, batch_invariant)
+    block_d = 32
+    return max(block_d, chunk // triton.next_power_of_2(n)), block_d, block_t, warps
 
 
 @triton.jit
@@ -50,25 +61,38 @@ def _hc_mix_partial_kernel(
         k_ok = ks < K
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(fn_ptr + fn_rows[None, :] * K + ks[:, None], mask=(fn_rows < FN_ROWS)[None, :] & k_ok[:, None], other=0.0)
-        if SPLIT_BF16:
-            # bf16 streams meet fn as three bf16 pieces, hi + mid + lo = fn (each residual is exact in
-            # float32): exact products, float32 sums, on bf16 tensor cores. 3xTF32 splits every element of
-            # x instead: 0.13 of the copy bandwidth at 8,192 rows against 0.34 (BENCHMARKS.md).
-            hi = w.to(tl.bfloat16)
-            rest = w - hi.to(tl.float32)
-            mid = rest.to(tl.bfloat16)
-            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-            acc = tl.dot(x, hi, acc)
-            acc = tl.dot(x, mid, acc)
-            acc = tl.dot(x, lo, acc)
-            x = x.to(tl.float32)
-        else:
-            x = x.to(tl.float32)
-            acc = tl.dot(x, w, acc, input_precision="tf32x3")
-        squares += tl.sum(x * x, axis=1)
-    out = part_ptr + (chunk * T + rows.to(tl.int64))[:, None] * WIDTH
-    tl.store(out + fn_rows[None, :], acc, mask=row_ok[:, None])
-    tl.store(part_ptr + (chunk * T + rows.to(tl.int64)) * WIDTH + FNP, squares, mask=row_ok)
+        acc, squares = _mix_partial(x, w, acc, squares, SPLIT_BF16)
+    _store_partials(part_ptr, chunk, T, rows, row_ok, acc, squares, FNP, WIDTH)
+
+
+@triton.jit
+def _mix_partial(x, w, acc, squares, SPLIT_BF16: tl.constexpr):
+    """(acc + x @ w, squares + the rows' sums of x^2) in float32, x [BLOCK_T, BLOCK_K] in the streams' dtype,
+    w [BLOCK_K, FNP] float32 (zero past the flat row and past fn's rows)."""
+    if SPLIT_BF16:
+        # bf16 streams meet fn as three bf16 pieces, hi + mid + lo = fn (each residual is exact in
+        # float32): exact products, float32 sums, on bf16 tensor cores. 3xTF32 splits every element of
+        # x instead: 0.13 of the copy bandwidth at 8,192 rows against 0.34 (BENCHMARKS.md).
+        hi = w.to(tl.bfloat16)
+        rest = w - hi.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(x, hi, acc)
+        acc = tl.dot(x, mid, acc)
+        acc = tl.dot(x, lo, acc)
+        x = x.to(tl.float32)
+    else:
+        x = x.to(tl.float32)
+        acc = tl.dot(x, w, acc, input_precision="tf32x3")
+    return acc, squares + tl.sum(x * x, axis=1)
+
+
+@triton.jit
+def _store_partials(part_ptr, chunk, T, rows, row_ok, acc, squares, FNP: tl.constexpr, WIDTH: tl.constexpr):
+    """part[chunk, rows] = [acc (FNP) | squares], the layout `_hc_mix_epilogue_kernel` reads."""
+    out = part_ptr + (chunk * T + rows.to(tl.int64)) * WIDTH
+    tl.store(out[:, None] + tl.arange(0, FNP)[None, :], acc, mask=row_ok[:, None])
+    tl.store(out + FNP, squares, mask=row_ok)
 
 
 def _epilogue_warps(tile: int) -> int:
@@ -155,29 +179,39 @@ def _mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, batch_invar
     x = streams.reshape(t, n * d)
     if x.stride(-1) != 1 or x.stride(0) != n * d:
         x = x.contiguous()
-    pre = torch.empty(t, n, dtype=torch.float32, device=streams.device)
+    k = n * d
+    fnp, width = _partials_width(fn)
+    chunk, block_k, block_t, warps = tile_config(t, batch_invariant)
+    parts = torch.empty(triton.cdiv(k, chunk), t, width, dtype=torch.float32, device=streams.device)
+    if t:
+        _hc_mix_partial_kernel[(triton.cdiv(t, block_t), parts.shape[0])](
+            x, fn.float().contiguous(), parts, t, k, fn.shape[0],
+            FNP=fnp, WIDTH=width, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k,
+            SPLIT_BF16=x.dtype == torch.bfloat16, num_warps=warps, **launch_options(x.device),
+        )
+    return _coefficients(parts, n, d, base, scale, norm_eps, hc_eps, sinkhorn_iters, pre_only)
+
+
+def _partials_width(fn: torch.Tensor) -> tuple[int, int]:
+    """(FNP, WIDTH) of the partial sums: fn's rows padded to a legal dot width (>= 16), then the sum of squares."""
+    fnp = max(16, triton.next_power_of_2(fn.shape[0]))
+    return fnp, fnp + 1
+
+
+def _coefficients(parts, n, d, base, scale, norm_eps, hc_eps, sinkhorn_iters, pre_only):
+    """(pre, post, comb) from the partial sums parts [chunks, T, WIDTH] of the flat rows of n * d columns."""
+    chunks, t, width = parts.shape
+    pre = torch.empty(t, n, dtype=torch.float32, device=parts.device)
     post = torch.empty_like(pre)
-    comb = torch.empty(t, n, n, dtype=torch.float32, device=streams.device)
+    comb = torch.empty(t, n, n, dtype=torch.float32, device=parts.device)
     if t == 0:
         return pre, post, comb
-    k = n * d
-    # NP: n padded to a power of two >= 4 (the comb tile [NP, NP]); PN: the pre / post vectors' width;
-    # FNP: fn's rows padded to a legal dot width (>= 16)
+    # NP: n padded to a power of two >= 4 (the comb tile [NP, NP]); PN: the pre / post vectors' width
     np_, pn = max(4, triton.next_power_of_2(n)), max(16, triton.next_power_of_2(n))
-    fnp = max(16, triton.next_power_of_2(fn.shape[0]))
-    width = fnp + 1
-    chunk, block_k, block_t, warps = tile_config(t, batch_invariant)
-    chunks = triton.cdiv(k, chunk)
-    parts = torch.empty(chunks, t, width, dtype=torch.float32, device=streams.device)
-    _hc_mix_partial_kernel[(triton.cdiv(t, block_t), chunks)](
-        x, fn.float().contiguous(), parts, t, k, fn.shape[0],
-        FNP=fnp, WIDTH=width, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k,
-        SPLIT_BF16=x.dtype == torch.bfloat16, num_warps=warps, **launch_options(x.device),
-    )
     chunks_p2, width_p2 = triton.next_power_of_2(chunks), triton.next_power_of_2(width)
     _hc_mix_epilogue_kernel[(t,)](
-        parts, base.float().contiguous(), scale.float().contiguous(), pre, post, comb, t, k, chunks,
-        norm_eps, hc_eps, N=n, NP=np_, PN=pn, FNP=fnp, WIDTH=width, ITERS=sinkhorn_iters, PRE_ONLY=pre_only,
+        parts, base.float().contiguous(), scale.float().contiguous(), pre, post, comb, t, n * d, chunks,
+        norm_eps, hc_eps, N=n, NP=np_, PN=pn, FNP=width - 1, WIDTH=width, ITERS=sinkhorn_iters, PRE_ONLY=pre_only,
         CHUNKS_P2=chunks_p2, WIDTH_P2=width_p2, num_warps=_epilogue_warps(chunks_p2 * width_p2),
         **launch_options(parts.device),
     )
@@ -254,23 +288,69 @@ def _hc_update_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = cols < D
-    dtype = out_ptr.dtype.element_ty
     block_out = tl.load(o_ptr + row * D + cols, mask=ok, other=0.0).to(tl.float32)
     for j in tl.static_range(N):
-        post = tl.load(post_ptr + row * N + j)
-        if ROUND_TERMS:  # V4: coefficients, the two terms and the sum each rounded to the streams' dtype
-            post = post.to(dtype).to(tl.float32)
-        mixed = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for i in tl.static_range(N):
-            c = tl.load(comb_ptr + (row * N + i) * N + j)
-            if ROUND_TERMS:
-                c = c.to(dtype).to(tl.float32)
-            mixed += c * tl.load(s_ptr + (row * N + i) * D + cols, mask=ok, other=0.0).to(tl.float32)
-        scaled = post * block_out
+        _update_stream(block_out, s_ptr, post_ptr, comb_ptr, out_ptr, row, cols, ok, D, j, N, ROUND_TERMS)
+
+
+@triton.jit
+def _update_stream(
+    block_out, s_ptr, post_ptr, comb_ptr, out_ptr, rows, cols, ok, D, j, N: tl.constexpr, ROUND_TERMS: tl.constexpr,
+):
+    """Stores new stream j at (rows, cols) (masked by `ok`) and returns it, in the streams' dtype: post[j] *
+    block_out + sum_i comb[i, j] * streams[i]. rows: a row, or a column of them, all in range (their
+    coefficients load unmasked); block_out float32, zero where not `ok`."""
+    dtype = out_ptr.dtype.element_ty
+    post = tl.load(post_ptr + rows * N + j)
+    if ROUND_TERMS:  # V4: coefficients, the two terms and the sum each rounded to the streams' dtype
+        post = post.to(dtype).to(tl.float32)
+    mixed = tl.zeros_like(block_out)
+    for i in tl.static_range(N):
+        c = tl.load(comb_ptr + (rows * N + i) * N + j)
         if ROUND_TERMS:
-            scaled = scaled.to(dtype).to(tl.float32)
-            mixed = mixed.to(dtype).to(tl.float32)
-        tl.store(out_ptr + (row * N + j) * D + cols, (scaled + mixed).to(dtype), mask=ok)
+            c = c.to(dtype).to(tl.float32)
+        mixed += c * tl.load(s_ptr + (rows * N + i) * D + cols, mask=ok, other=0.0).to(tl.float32)
+    scaled = post * block_out
+    if ROUND_TERMS:
+        scaled = scaled.to(dtype).to(tl.float32)
+        mixed = mixed.to(dtype).to(tl.float32)
+    new = (scaled + mixed).to(dtype)
+    tl.store(out_ptr + (rows * N + j) * D + cols, new, mask=ok)
+    return new
+
+
+@triton.jit
+def _hc_update_mix_partial_kernel(
+    o_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr, T, D, FN_ROWS,
+    N: tl.constexpr, ROUND_TERMS: tl.constexpr, FNP: tl.constexpr, WIDTH: tl.constexpr, COLUMNS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BF16: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_previous_grid(PDL)
+    # `_hc_update_kernel`'s new streams for columns [chunk * COLUMNS, + COLUMNS) of all N streams, and from
+    # them, as stored (in the streams' dtype), `_hc_mix_partial_kernel`'s partial sums over those flat columns
+    # (j * D + col): the new streams go to memory once and are never read back.
+    chunk = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    # rows past T take row T - 1's coefficients: their streams load as zeros and none of theirs is stored
+    row_col, row_col_ok = tl.minimum(rows, T - 1).to(tl.int64)[:, None], row_ok[:, None]
+    fn_rows = tl.arange(0, FNP)
+    squares = tl.zeros([BLOCK_T], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T, FNP], dtype=tl.float32)
+    for d0 in range(chunk * COLUMNS, tl.minimum(chunk * COLUMNS + COLUMNS, D), BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        col_ok = cols < D
+        ok = row_col_ok & col_ok[None, :]
+        block_out = tl.load(o_ptr + row_col * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        # a loop over the streams, not unrolled: unrolled, the compiler keeps all N steps' loads in flight
+        # (255 registers and spills at the prefill tile, `scripts/compile_kernels.py`)
+        for j in range(N):
+            x = _update_stream(block_out, s_ptr, post_ptr, comb_ptr, out_ptr, row_col, cols[None, :], ok, D, j, N,
+                               ROUND_TERMS)
+            w = tl.load(fn_ptr + fn_rows[None, :] * (N * D) + (j * D + cols)[:, None],
+                        mask=(fn_rows < FN_ROWS)[None, :] & col_ok[:, None], other=0.0)
+            acc, squares = _mix_partial(x, w, acc, squares, SPLIT_BF16)
+    _store_partials(part_ptr, chunk, T, rows, row_ok, acc, squares, FNP, WIDTH)
 
 
 def hc_update(
@@ -291,3 +371,31 @@ def hc_update(
             N=n, ROUND_TERMS=round_terms, BLOCK_D=block, **launch_options(streams.device),
         )
     return out
+
+
+def hc_update_mix(
+    block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+    base: torch.Tensor, scale: torch.Tensor, norm_eps: float, hc_eps: float, sinkhorn_iters: int, round_terms: bool,
+    batch_invariant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_update` then `hc_mix` of the new streams (`KernelOps.hc_update_mix`) in two launches, where they took
+    three, and one pass over the streams: (new streams [T, n, D] streams.dtype, pre, post, comb float32).
+
+    The new streams are bitwise `hc_update`'s. The partial sums group the flat columns by columns of D across
+    the n streams, not in `hc_mix`'s flat chunks: the coefficients differ from `hc_mix`'s in the float32
+    summation order only (~1e-7), still an order fixed by the shapes, so rows stay batch-invariant.
+    """
+    t, n, d = streams.shape
+    streams = streams.contiguous()
+    out = torch.empty_like(streams)
+    fnp, width = _partials_width(fn)
+    columns, block_d, block_t, warps = update_mix_tiles(t, n, batch_invariant)
+    parts = torch.empty(triton.cdiv(d, columns), t, width, dtype=torch.float32, device=streams.device)
+    if t:
+        _hc_update_mix_partial_kernel[(triton.cdiv(t, block_t), parts.shape[0])](
+            block_out.contiguous(), streams, post.float().contiguous(), comb.float().contiguous(), out,
+            fn.float().contiguous(), parts, t, d, fn.shape[0], N=n, ROUND_TERMS=round_terms, FNP=fnp, WIDTH=width,
+            COLUMNS=columns, BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BF16=out.dtype == torch.bfloat16,
+            num_warps=warps, **launch_options(out.device),
+        )
+    return out, *_coefficients(parts, n, d, base, scale, norm_eps, hc_eps, sinkhorn_iters, pre_only=False)

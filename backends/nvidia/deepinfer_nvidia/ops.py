@@ -61,6 +61,7 @@ class TritonOps(KernelOps):
         self._hc_collapse = hyper_connection.hc_collapse
         self._hc_head_weights = hyper_connection.hc_head_weights
         self._hc_update = hyper_connection.hc_update
+        self._hc_update_mix = hyper_connection.hc_update_mix
         self._rope = rope.rope
         self._rope_supported = rope.rope_supported
         self._indexer_topk = indexer.indexer_topk
@@ -265,12 +266,11 @@ class TritonOps(KernelOps):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self._hc_mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, self.batch_invariant)
 
-    def hc_pre_norm(
-        self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-        norm_eps: float, hc_eps: float, sinkhorn_iters: int, input_weight: torch.Tensor, input_eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pre, post, comb = self.hc_mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
-        return self._hc_collapse(streams, pre, (input_weight, input_eps)), post, comb
+    # `hc_pre_norm` is the reference's: this `hc_mix`, then this `hc_collapse_norm`.
+    def hc_collapse_norm(
+        self, streams: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return self._hc_collapse(streams, pre, (weight, eps))
 
     def hc_collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         return self._hc_collapse(streams, pre)
@@ -291,6 +291,16 @@ class TritonOps(KernelOps):
         self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor:
         return self._hc_update(block_out, streams, post, comb, round_terms=False)
+
+    def hc_update_mix(
+        self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+        fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float, hc_eps: float,
+        sinkhorn_iters: int, round_terms: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._hc_update_mix(
+            block_out, streams, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, round_terms,
+            self.batch_invariant,
+        )
 
     def rope(
         self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False,
