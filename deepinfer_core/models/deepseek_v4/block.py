@@ -43,9 +43,10 @@ class Block(nn.Module):
         attn_in, post, comb = ops.hc_pre_norm(
             streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *hc, norm.weight, norm.eps
         )
-        streams = ops.hc_post(self.attn(attn_in, batch, cache), streams, post, comb)
-        norm = self.ffn_norm
-        ffn_in, post, comb = ops.hc_pre_norm(
-            streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *hc, norm.weight, norm.eps
+        streams, pre, post, comb = ops.hc_update_mix(
+            self.attn(attn_in, batch, cache), streams, post, comb, self.hc_ffn_fn, self.hc_ffn_base,
+            self.hc_ffn_scale, *hc, round_terms=True,
         )
+        norm = self.ffn_norm
+        ffn_in = ops.hc_collapse_norm(streams, pre, norm.weight, norm.eps)
         return ops.hc_post(self.ffn(ffn_in, input_ids), streams, post, comb)

@@ -206,8 +206,10 @@ class DSpark(nn.Module):
         for stage, ring in zip(self.mtp, rings):
             pre_attn, post, comb = ops.hc_mix(streams, stage.hc_attn_fn, stage.hc_attn_base, stage.hc_attn_scale, *hc)
             x = stage.attn_norm(ops.hc_collapse(streams, pre))
-            streams = ops.hc_expand(_block_attention(stage.attn, x, positions, ring, local), streams, post, comb)
-            pre, post, comb = ops.hc_mix(streams, stage.hc_ffn_fn, stage.hc_ffn_base, stage.hc_ffn_scale, *hc)
+            streams, pre, post, comb = ops.hc_update_mix(
+                _block_attention(stage.attn, x, positions, ring, local), streams, post, comb, stage.hc_ffn_fn,
+                stage.hc_ffn_base, stage.hc_ffn_scale, *hc, round_terms=False,
+            )
             ffn_out = stage.ffn(stage.ffn_norm(ops.hc_collapse(streams, pre_attn)))
             streams = ops.hc_expand(ffn_out, streams, post, comb)
         return ops.hc_collapse(streams, pre).view(num_seqs, n, -1)
