@@ -3,17 +3,24 @@ nvdisasm ship with triton), at the block shapes the ops launch, and report per k
 registers and spills (ptxas -v), the matrix instructions in the machine code (HGMMA / QGMMA are Hopper's
 bf16 / fp8 wgmma, HMMA the older mma.sync, UTC*MMA SM100's tcgen05), and the spill loads and stores inside
 the loops that issue them (the K or key-block loops: a spill there costs every iteration, elsewhere once).
-Proves the SM100 path compiles; tells, before any GPU time is spent, whether a change spilled.
+Proves the SM100 path compiles; tells, before any GPU time is spent, whether a change spilled or asks for more
+shared memory than a block may have (a failure: that launch would fail).
 
 Integer arguments and pointers are declared 16-divisible, as the JIT specialises them at the real shapes
 (without that, no load is vectorised and the report describes another kernel).
 
 python3 scripts/compile_kernels.py [--only NAME]     (exit status 1 if any kernel fails to compile)
+
+--recorded FILE compiles instead the variants in FILE, a JSON list of the launches Triton's interpreter made
+(`tests/kernel_launches.py`, each with the JIT's specialisation of its arguments): the interpreter runs code
+that the compiler refuses, so that every variant the CPU tests launch is also compiled (tests/test_kernels_compile.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import re
 import subprocess
 import sys
@@ -33,6 +40,8 @@ from triton.compiler import compile as triton_compile  # noqa: E402
 from deepinfer_kernels import fused_moe, hyper_connection, linear, rms_norm, sparse_attention  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+# shared memory a block may use on sm_90 and sm_100 alike (CUDA's per-block opt-in limit): past it the launch fails
+SHARED_LIMIT = 227 * 1024
 WEIGHT_TYPES = {0: "*bf16", 1: "*fp8e4nv", 2: "*i32"}  # fp4: int32 words of eight codes
 FLOAT_SCALARS = {"scale", "q_eps", "eps", "limit"}
 NOT_DIVISIBLE = {"ratio", "TOP_K", "SPLITS", "FN_ROWS"}  # small or odd at the real shapes
@@ -170,16 +179,35 @@ def _loop_spills(sass: str) -> int:
     return spills
 
 
-def _compile(fn, types, consts, warps, stages, capability) -> str:
+def _recorded_variants(path: str) -> Iterator[tuple[str, object, dict, dict, int, int, list[str]]]:
+    """`_variants`' tuples, and the arguments the JIT found 16-divisible, of the launches recorded in `path`."""
+    for number, launch in enumerate(json.loads(Path(path).read_text())):
+        module, name = launch["kernel"].rsplit(":", 1)
+        fn = getattr(importlib.import_module(module), name)
+        consts = dict(launch["constexprs"], maxnreg=launch["maxnreg"])
+        yield (f"{name} #{number}", fn, launch["types"], consts, launch["num_warps"], launch["num_stages"],
+               launch["divisible"])
+
+
+def _compile(fn, types, consts, warps, stages, capability, divisible=None) -> str:
+    """ptxas' report on `fn` compiled with these constexprs and options, down to the machine code; `divisible`:
+    the 16-divisible arguments (by default every integer and pointer but NOT_DIVISIBLE's, as at the real shapes),
+    given for the recorded launches, whose toy shapes make no report worth reading: theirs is "compiled"."""
     consts = dict(consts, PDL=True)  # the GPU path: each kernel waits for the previous one (`dependent_launch`)
     registers = consts.pop("maxnreg", None)  # a launch option, not a constexpr
     signature = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
-    divisible = [n for n in fn.arg_names if n not in consts and n not in NOT_DIVISIBLE and types[n] != "fp32"]
+    given_divisible = divisible is not None
+    if not given_divisible:
+        divisible = [n for n in fn.arg_names if n not in consts and n not in NOT_DIVISIBLE and types[n] != "fp32"]
     source = ASTSource(fn=fn, signature=signature,
                        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                        attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     kernel = triton_compile(source, target=GPUTarget("cuda", capability, 32),
                             options={"num_warps": warps, "num_stages": stages, "maxnreg": registers})
+    if kernel.metadata.shared > SHARED_LIMIT:
+        raise ValueError(f"{kernel.metadata.shared} bytes of shared memory, past the {SHARED_LIMIT} a block may use")
+    if given_divisible:
+        return "compiled"  # (Triton's own ptxas run made the cubin)
     arch = "sm_90a" if capability == 90 else "sm_100a"
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
@@ -200,17 +228,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="compile only kernels whose name contains this")
     parser.add_argument("--capabilities", default="90,100")
+    parser.add_argument("--recorded", help="compile the launches recorded in this JSON file instead")
     args = parser.parse_args()
     failed = 0
     for capability in map(int, args.capabilities.split(",")):
-        for name, fn, types, consts, warps, stages in _variants():
+        variants = _recorded_variants(args.recorded) if args.recorded else ((*v, None) for v in _variants())
+        for name, fn, types, consts, warps, stages, divisible in variants:
             if args.only not in name:
                 continue
             try:
-                print(f"ok   sm_{capability} {name:<40} {_compile(fn, types, consts, warps, stages, capability)}", flush=True)
+                report = _compile(fn, types, consts, warps, stages, capability, divisible)
+                print(f"ok   sm_{capability} {name:<40} {report}", flush=True)
             except Exception as err:  # noqa: BLE001  (report every kernel, not only the first failure)
                 failed += 1
-                print(f"FAIL sm_{capability} {name}: {type(err).__name__}: {str(err)[:2000]}", flush=True)
+                print(f"FAIL sm_{capability} {name} {consts}: {type(err).__name__}: {str(err)[:2000]}", flush=True)
     sys.exit(1 if failed else 0)
 
 

@@ -13,7 +13,7 @@ from deepinfer_core.reference.backend import CpuBackend
 from deepinfer_nvidia.ops import TritonOps
 
 
-class _TritonOnHost(CpuBackend):
+class TritonOnHost(CpuBackend):
     """The cpu backend's device with the Triton ops."""
 
     def ops(self) -> KernelOps:
@@ -22,6 +22,6 @@ class _TritonOnHost(CpuBackend):
 
 def test_triton_ops_pass_every_conformance_case():
     cases = [case for case in OP_CASES if case.op != "gather_rows"]
-    report = run_conformance(_TritonOnHost(), cases, seed=7)
+    report = run_conformance(TritonOnHost(), cases, seed=7)
     failed = [result for result in report.results if not result.passed]
     assert len(report.results) >= len(cases) and not failed, failed

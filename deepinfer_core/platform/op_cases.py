@@ -78,6 +78,8 @@ def _step_batch(
 
 # Mixed step: a fresh prefill, a chunk continuing a prefill, two decodes.
 _QUERY_LENS, _CONTEXT_LENS = [11, 6, 1, 1], [0, 9, 22, 5]
+# a decode step: one query a sequence (backends specialise these: e.g. the nvidia indexer's decode scores)
+_DECODE_QUERY_LENS, _DECODE_CONTEXT_LENS = [1, 1, 1, 1], [12, 9, 22, 5]
 
 
 def _rope_inputs(gen, dt, inverse, inplace=False):
@@ -88,11 +90,12 @@ def _rope_inputs(gen, dt, inverse, inplace=False):
 
 
 def _latent_norms_inputs(gen, dt):
-    both = _randn(gen, 9, 64 + 40 + 3, dtype=dt)  # the latents as column views of one output
+    # the latents as column views of one output, of unequal widths (as V4's 1,024 and 512)
+    both = _randn(gen, 9, 100 + 40 + 3, dtype=dt)
     positions = torch.randint(0, 5000, (9,), generator=gen)
     inv_freq = 1.0 / (160000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
-    weights = torch.rand(64, generator=gen) + 0.5, torch.rand(40, generator=gen) + 0.5
-    return (both[:, :64], weights[0], both[:, 64:104], weights[1], 1e-6, positions, inv_freq), {}
+    weights = torch.rand(100, generator=gen) + 0.5, torch.rand(40, generator=gen) + 0.5
+    return (both[:, :100], weights[0], both[:, 100:140], weights[1], 1e-6, positions, inv_freq), {}
 
 
 def _hc_pre_inputs(gen, dt):
@@ -161,10 +164,12 @@ def _compress_inputs(gen, dt, ratio, overlap, column_views=False):
     return args, {}
 
 
-def _indexer_inputs(gen, dt, column_view=False):
-    """column_view: the head weights as columns of a wider projection output (`LinearGroup`)."""
+def _indexer_inputs(gen, dt, column_view=False, decode=False):
+    """column_view: the head weights as columns of a wider projection output (`LinearGroup`); decode: a
+    decode step's batch."""
     ratio, block_size = 4, 8
-    batch = _step_batch(gen, _QUERY_LENS, _CONTEXT_LENS, 6, blocks_per_seq=4, num_blocks=24)
+    lens = (_DECODE_QUERY_LENS, _DECODE_CONTEXT_LENS) if decode else (_QUERY_LENS, _CONTEXT_LENS)
+    batch = _step_batch(gen, *lens, 6, blocks_per_seq=4, num_blocks=24)
     keys = _randn(gen, 24, block_size // ratio, 16, dtype=dt)
     if column_view:
         head_weights = _randn(gen, batch.num_tokens, 24, dtype=dt)[:, 16:]
@@ -173,9 +178,10 @@ def _indexer_inputs(gen, dt, column_view=False):
     return (_randn(gen, batch.num_tokens, 8, 16, dtype=dt), head_weights, keys, ratio, 3, batch), {}
 
 
-def _attention_inputs(gen, dt, ratio, with_selection):
+def _attention_inputs(gen, dt, ratio, with_selection, decode=False):
     heads, dim, window, block_size = 4, 32, 8, 8
-    batch = _step_batch(gen, _QUERY_LENS, _CONTEXT_LENS, 6, blocks_per_seq=4, num_blocks=24)
+    lens = (_DECODE_QUERY_LENS, _DECODE_CONTEXT_LENS) if decode else (_QUERY_LENS, _CONTEXT_LENS)
+    batch = _step_batch(gen, *lens, 6, blocks_per_seq=4, num_blocks=24)
     tokens = batch.num_tokens
     kwargs = {}
     if ratio:
@@ -250,8 +256,8 @@ def _mlp(gen, dt, hidden, inter, fmt):
                       _randn(gen, hidden, inter, dtype=dt) * 0.2)
 
 
-def _moe_inputs(gen, dt, expert_fmt, shared_fmt):
-    experts, top_k, tokens, hidden, inter = 6, 2, 11, 64, 32
+def _moe_inputs(gen, dt, expert_fmt, shared_fmt, tokens=11):
+    experts, top_k, hidden, inter = 6, 2, 64, 32
     x = _randn(gen, tokens, hidden, dtype=dt) * 2
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen) + 0.1
@@ -386,6 +392,7 @@ OP_CASES: list[OpCase] = [
     OpCase("indexer_topk", "mixed_step", _indexer_inputs, dtypes=(torch.float32,)),
     OpCase("indexer_topk", "head_weights_column_view", lambda g, dt: _indexer_inputs(g, dt, column_view=True),
            dtypes=(torch.float32,)),
+    OpCase("indexer_topk", "decode_step", lambda g, dt: _indexer_inputs(g, dt, decode=True), dtypes=(torch.float32,)),
     OpCase(
         "sparse_attention", "sliding",
         lambda g, dt: _attention_inputs(g, dt, 0, False), rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
@@ -397,6 +404,10 @@ OP_CASES: list[OpCase] = [
     OpCase(
         "sparse_attention", "csa_selected",
         lambda g, dt: _attention_inputs(g, dt, 4, True), rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
+    ),
+    OpCase(
+        "sparse_attention", "csa_decode_step",
+        lambda g, dt: _attention_inputs(g, dt, 4, True, decode=True), rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
     ),
     OpCase("sparse_attention", "bounded_replay_window_starts", _bounded_replay_attention_inputs,
            rtol=_WIDE_RTOL, atol=_WIDE_ATOL),
@@ -434,6 +445,10 @@ OP_CASES: list[OpCase] = [
     OpCase(  # bf16: a SwiGLU value one bf16 ulp apart (exp differs) can round to the next e4m3 code, 1/16 away
         "fused_moe", "fp8_experts_fp8_activations", lambda g, dt: _moe_inputs(g, dt, "fp8", "fp8"),
         rtol=_WIDE_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 1e-1}, modes={"fp8_activations": True},
+    ),
+    OpCase(  # a decode token: the nvidia backend's one-launch plan, and fp4 weights in its decode tiles
+        "fused_moe", "one_token_fp4_experts_fp8_shared", lambda g, dt: _moe_inputs(g, dt, "fp4", "fp8", tokens=1),
+        rtol=_WIDE_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 6e-2},
     ),
     OpCase("fused_moe", "ep_pairs_no_shared", lambda g, dt: _moe_ep_inputs(g, dt, "pairs"),
            rtol=_WIDE_RTOL, atol=_WIDE_ATOL),
