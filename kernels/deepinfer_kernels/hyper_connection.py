@@ -50,12 +50,7 @@ def _hc_mix_partial_kernel(
     wait_for_previous_grid(PDL)
     # Partial dot products of one K chunk with every row of fn in one product (pre | post | comb rows,
     # padded to FNP >= 16 columns), and the sum of squares: part[chunk, t] = [fn @ x (FNP) | sum x^2].
-    chunk = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < T
-    fn_rows = tl.arange(0, FNP)
-    squares = tl.zeros([BLOCK_T], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_T, FNP], dtype=tl.float32)
+    chunk, rows, row_ok, fn_rows, acc, squares = _partial_tile(T, BLOCK_T, FNP)
     for k0 in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -63,6 +58,15 @@ def _hc_mix_partial_kernel(
         w = tl.load(fn_ptr + fn_rows[None, :] * K + ks[:, None], mask=(fn_rows < FN_ROWS)[None, :] & k_ok[:, None], other=0.0)
         acc, squares = _mix_partial(x, w, acc, squares, SPLIT_BF16)
     _store_partials(part_ptr, chunk, T, rows, row_ok, acc, squares, FNP, WIDTH)
+
+
+@triton.jit
+def _partial_tile(T, BLOCK_T: tl.constexpr, FNP: tl.constexpr):
+    """A partial-sum program's (chunk, rows, rows < T, fn's padded rows, zero products [BLOCK_T, FNP], zero sums of
+    squares [BLOCK_T])."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    return (tl.program_id(1), rows, rows < T, tl.arange(0, FNP), tl.zeros([BLOCK_T, FNP], dtype=tl.float32),
+            tl.zeros([BLOCK_T], dtype=tl.float32))
 
 
 @triton.jit
@@ -329,14 +333,9 @@ def _hc_update_mix_partial_kernel(
     # `_hc_update_kernel`'s new streams for columns [chunk * COLUMNS, + COLUMNS) of all N streams, and from
     # them, as stored (in the streams' dtype), `_hc_mix_partial_kernel`'s partial sums over those flat columns
     # (j * D + col): the new streams go to memory once and are never read back.
-    chunk = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < T
+    chunk, rows, row_ok, fn_rows, acc, squares = _partial_tile(T, BLOCK_T, FNP)
     # rows past T take row T - 1's coefficients: their streams load as zeros and none of theirs is stored
     row_col, row_col_ok = tl.minimum(rows, T - 1).to(tl.int64)[:, None], row_ok[:, None]
-    fn_rows = tl.arange(0, FNP)
-    squares = tl.zeros([BLOCK_T], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_T, FNP], dtype=tl.float32)
     for d0 in range(chunk * COLUMNS, tl.minimum(chunk * COLUMNS + COLUMNS, D), BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         col_ok = cols < D
