@@ -47,6 +47,4 @@ class Block(nn.Module):
             self.attn(attn_in, batch, cache), streams, post, comb, self.hc_ffn_fn, self.hc_ffn_base,
             self.hc_ffn_scale, *hc, round_terms=True,
         )
-        norm = self.ffn_norm
-        ffn_in = ops.hc_collapse_norm(streams, pre, norm.weight, norm.eps)
-        return ops.hc_post(self.ffn(ffn_in, input_ids), streams, post, comb)
+        return ops.hc_post(self.ffn(self.ffn_norm.of_collapse(streams, pre), input_ids), streams, post, comb)

@@ -54,12 +54,11 @@ class Block(nn.Module):
         if self.engram is not None:
             streams = self.engram(streams, engram_rows, state.image_rows)
         pre_attn, post, comb = ops.hc_mix(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *hc)
-        attn_in = ops.hc_collapse_norm(streams, pre, self.attn_norm.weight, self.attn_norm.eps)
-        attn_out = self.attn(attn_in, batch, cache, state)
+        attn_out = self.attn(self.attn_norm.of_collapse(streams, pre), batch, cache, state)
         streams, pre_ffn, post, comb = ops.hc_update_mix(
             attn_out, streams, post, comb, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *hc, round_terms=False
         )
-        ffn_in = ops.hc_collapse_norm(streams, pre_attn, self.ffn_norm.weight, self.ffn_norm.eps)
+        ffn_in = self.ffn_norm.of_collapse(streams, pre_attn)
         ffn_out = self.ffn(ffn_in) if state.image_rows is None else self.ffn(ffn_in, image_rows=state.image_rows)
         streams = ops.hc_expand(ffn_out, streams, post, comb)
         self.trace.record(f"hidden_streams.layer{self.layer}", streams)

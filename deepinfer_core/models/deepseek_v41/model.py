@@ -143,7 +143,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         state.image_rows = None if images is None else images.rows
         for layer in self.layers:
             streams, pre = layer(streams, pre, batch, cache, state, engram_rows.get(layer.layer))
-        hidden = self.ops.hc_collapse_norm(streams, pre, self.norm.weight, self.norm.eps)
+        hidden = self.norm.of_collapse(streams, pre)
         self.trace.record("final_hidden", hidden)
         return ModelOutput(hidden, streams)
 
