@@ -80,8 +80,7 @@ def setup(tiny: bool) -> tuple[torch.device, KernelOps]:
 
 
 def fresh_ops(ops_type: type[KernelOps], weights: str) -> KernelOps:
-    """New ops for one model or case (NOTE: their expert-stack cache keeps a model's experts alive), with
-    fp8 activations (W8A8) for weights named "...-a8" (fp8-a8, fp4-a8)."""
+    """New ops for one model or case, with fp8 activations (W8A8) for weights named "...-a8" (fp8-a8, fp4-a8)."""
     ops = ops_type()
     ops.fp8_activations = weights.endswith("-a8")
     return ops

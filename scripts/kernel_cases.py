@@ -483,7 +483,7 @@ def stacked_experts(num: int, hidden: int, inter: int, fmt: str, gen, device, bl
 
 def _moe(ops, reference, tokens, hidden, inter, experts, top_k, fmt, tiny, gen, device, prescaled=False,
          shared_block=None):
-    # NOTE: fresh ops, so a fresh expert-stack cache per case and earlier cases' experts can be freed
+    # fresh ops: fp8 activations as the format asks
     ops, reference = fresh_ops(type(ops), fmt), fresh_ops(type(reference), fmt)
     block = (32, 32) if tiny else (128, 128)
     mlps, bytes_per_weight = stacked_experts(experts, hidden, inter, fmt, gen, device, block)

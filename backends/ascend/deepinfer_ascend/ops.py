@@ -13,6 +13,7 @@ torch_npu in tests/test_ascend_backend.py checks argument plumbing, not numerics
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from types import ModuleType
 
 import torch
 
+from deepinfer_core.platform.expert_stacks import ExpertStacks
 from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
 
 __all__ = ["AscendOps"]
@@ -36,7 +38,7 @@ class AscendOps(KernelOps):
         self._rms_norm = torch_npu.npu_rms_norm
         self._rotary_mul = torch_npu.npu_rotary_mul
         self._grouped_matmul = torch_npu.npu_grouped_matmul
-        self._expert_stacks: dict[tuple, _StackedExperts] = {}
+        self._expert_stacks: ExpertStacks[_StackedExperts] = ExpertStacks()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         # torch_npu.npu_rms_norm(self, gamma, epsilon) -> (y, rstd): y = x * rsqrt(mean(x^2) + eps) * gamma,
@@ -95,7 +97,7 @@ class AscendOps(KernelOps):
         # Fallback: quantised (fp8 / fp4) experts, which the reference dequantises (see `linear`).
         if not held or x.dtype not in _NPU_FLOATS or not all(_dense(experts[e], x.dtype) for e in held):
             return super().fused_moe(x, weights, ids, experts, shared, swiglu_limit)
-        stack = self._stack(experts, held)
+        stack = self._expert_stacks.get(experts, functools.partial(_stack, experts))
         top_k = ids.shape[1]
         local = stack.local_ids[ids].flatten()
         order = torch.argsort(local, stable=True)
@@ -118,26 +120,6 @@ class AscendOps(KernelOps):
             [x], [weight], group_list=group_list, split_item=3, group_type=0, group_list_type=0
         )[0]
 
-    def _stack(self, experts: Sequence[MlpWeights | None], held: list[int]) -> _StackedExperts:
-        """The held experts as [E_held, D, 2I] (w1 | w3) and [E_held, I, D], built once per layer.
-
-        NOTE: a copy of the expert weights (the operator wants K-major [E, K, N] stacks); the key
-        holds the version counters of the first and last held expert, so reloading them rebuilds it.
-        """
-        first, last = experts[held[0]], experts[held[-1]]
-        key = tuple((w.data_ptr(), w._version) for e in (first, last) for w in (e.w1, e.w3, e.w2)) + (len(held),)
-        stack = self._expert_stacks.get(key)
-        if stack is None:
-            mlps = [experts[e] for e in held]
-            device = first.w1.device
-            local_ids = torch.full((len(experts),), len(held), dtype=torch.long, device=device)
-            local_ids[held] = torch.arange(len(held), device=device)
-            w13 = torch.stack([torch.cat([m.w1, m.w3]).t() for m in mlps]).contiguous()
-            w2 = torch.stack([m.w2.t() for m in mlps]).contiguous()
-            stack = _StackedExperts(w13, w2, first.w1.shape[0], local_ids)
-            self._expert_stacks[key] = stack
-        return stack
-
 
 @dataclass(frozen=True, slots=True)
 class _StackedExperts:
@@ -145,6 +127,18 @@ class _StackedExperts:
     w2: torch.Tensor
     inter: int
     local_ids: torch.Tensor
+
+
+def _stack(experts: Sequence[MlpWeights | None], held: list[int]) -> _StackedExperts:
+    """The held experts as [E_held, D, 2I] (w1 | w3) and [E_held, I, D]: a copy of their weights (the operator
+    wants K-major [E, K, N] stacks), built once per layer (`ExpertStacks`)."""
+    mlps = [experts[e] for e in held]
+    device = mlps[0].w1.device
+    local_ids = torch.full((len(experts),), len(held), dtype=torch.long, device=device)
+    local_ids[held] = torch.arange(len(held), device=device)
+    w13 = torch.stack([torch.cat([m.w1, m.w3]).t() for m in mlps]).contiguous()
+    w2 = torch.stack([m.w2.t() for m in mlps]).contiguous()
+    return _StackedExperts(w13, w2, mlps[0].w1.shape[0], local_ids)
 
 
 def _dense(mlp: MlpWeights, dtype: torch.dtype) -> bool:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_core.platform.expert_stacks import ExpertStacks
 from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
 from deepinfer_core.platform.row_tiles import row_tiled
 from deepinfer_nvidia.host_tables import device_readable
@@ -56,7 +57,7 @@ class TritonOps(KernelOps):
         self._step_pairs = fused_moe.step_pairs
         self._stacked_experts = fused_moe.StackedExperts
         self._attention = sparse_attention.sparse_attention
-        self._expert_stacks: dict[tuple, fused_moe.StackedExperts] = {}
+        self._expert_stacks: ExpertStacks[fused_moe.StackedExperts] = ExpertStacks()
         self._hc_mix = hyper_connection.hc_mix
         self._hc_collapse = hyper_connection.hc_collapse
         self._hc_head_weights = hyper_connection.hc_head_weights
@@ -409,28 +410,21 @@ class TritonOps(KernelOps):
         return self._compress_kv(*args)
 
     def _stack(self, experts: Sequence[MlpWeights | None], device: torch.device):
-        """The held experts stacked [E_held, N, K]; built once per layer and reused.
+        """The held experts stacked [E_held, N, K]; built once per layer and reused (`ExpertStacks`). When the
+        experts are views of one stacked tensor, as the models hold them, the stack is their base (no copy);
+        otherwise the weights are copied once (twice the expert memory)."""
 
-        NOTE: a stopgap until the model holds its experts as views of one stacked tensor. When the
-        experts already are such views, the stack is their base (no copy). Otherwise the weights are
-        copied once (twice the expert memory); the cache key includes the version counters of the
-        first and last held expert, so an in-place reload of those rebuilds it.
-        """
-        held = [i for i, e in enumerate(experts) if e is not None]
-        first, last = experts[held[0]], experts[held[-1]]
-        key = tuple((w.data_ptr(), w._version) for e in (first, last) for w in (e.w1, e.w3, e.w2)) + (len(held),)
-        stack = self._expert_stacks.get(key)
-        if stack is None:
+        def build(held: list[int]) -> fused_moe.StackedExperts:
             local_ids = torch.full((len(experts),), len(held), dtype=torch.long, device=device)
             local_ids[held] = torch.arange(len(held), device=device)
             mlps = [experts[i] for i in held]
-            stack = self._stacked_experts(
+            return self._stacked_experts(
                 _stacked([m.w1 for m in mlps]), _stacked([m.w3 for m in mlps]), _stacked([m.w2 for m in mlps]),
                 _stacked([m.w1_scale for m in mlps]), _stacked([m.w3_scale for m in mlps]),
-                _stacked([m.w2_scale for m in mlps]), first.block, local_ids,
+                _stacked([m.w2_scale for m in mlps]), mlps[0].block, local_ids,
             )
-            self._expert_stacks[key] = stack
-        return stack
+
+        return self._expert_stacks.get(experts, build)
 
 
 def _stacked(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
