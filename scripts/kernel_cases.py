@@ -40,9 +40,7 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
                    partial(_latent_norms, ops, reference, tokens, q_rank, kv_dim))
     for tokens in ([1, 21] if tiny else [1, 64, 8192]):
         yield Case(f"hc_pre_norm T={tokens} n=4 D={hidden}", partial(_hc_pre_norm, ops, reference, tokens, hidden))
-        for model, round_terms in (("V4", True), ("V4.1", False)):
-            yield Case(f"hc_update_mix {model} T={tokens} n=4 D={hidden}",
-                       partial(_hc_update_mix, ops, reference, tokens, hidden, round_terms))
+        yield Case(f"hc_update_mix T={tokens} n=4 D={hidden}", partial(_hc_update_mix, ops, reference, tokens, hidden))
     # (name, N, K): wq_a, wq_b, wkv, an expert's w1
     projections = ([("wq_b", 80, 64), ("w1", 64, 96)] if tiny else
                    [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096), ("w1", 2048, 4096)])
@@ -170,15 +168,15 @@ def _hc_pre_norm(ops, reference, tokens, hidden, gen, device):
             nbytes, NORM_TOL, False)
 
 
-def _hc_update_mix(ops, reference, tokens, hidden, round_terms, gen, device):
-    """A block's stream update (V4's `hc_post` or V4.1's `hc_expand`) with the next site's mix of the new streams:
+def _hc_update_mix(ops, reference, tokens, hidden, gen, device):
+    """A V4 block's stream update (`hc_post`) with the next site's mix of the new streams:
     (new streams, pre, post, comb) compared as one vector, the bf16 streams' rounding bounding it."""
     streams, mix = _hc_streams(tokens, hidden, gen, device), _hc_mix_weights(hidden, gen, device)
     n = streams.shape[1]
     block_out = (torch.randn(tokens, hidden, device=device, generator=gen) * 2).to(torch.bfloat16)
     comb = torch.softmax(torch.randn(tokens, n, n, device=device, generator=gen), dim=-1)
     post = 2 * torch.sigmoid(torch.randn(tokens, n, device=device, generator=gen))
-    args = (block_out, streams, post, comb, *mix, round_terms)
+    args = (block_out, streams, post, comb, *mix)
     fn = mix[0]
     flops = 2 * fn.numel() * tokens + 2 * n * (n + 1) * hidden * tokens
     nbytes = 2 * streams.numel() * 2 + block_out.numel() * 2 + fn.numel() * 4

@@ -103,33 +103,31 @@ def test_hc_update_matches_reference(dtype, round_terms):
 # T <= 64: decode tiles (32 columns of D a program, so 2 or 3 programs a row here); 70: prefill tiles (64 rows
 # a program, the second one masked past row 70; 256 columns, 3 steps of 32 at D = 96).
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("round_terms", [True, False])
 @pytest.mark.parametrize("t,d", [(1, 96), (7, 40), (70, 96)])
-def test_hc_update_mix_is_hc_update_then_hc_mix(dtype, round_terms, t, d):
+def test_hc_update_mix_is_hc_update_then_hc_mix(dtype, t, d):
     """The new streams are `hc_update`'s bits; the coefficients `hc_mix`'s of them but for the float32 order of
     the partial sums; all within the reference op's bounds."""
     update, mix = _update_mix_args(t + d, t, 4, d, dtype)
-    streams, *coefficients = hc_update_mix(*update, *mix, round_terms)
-    assert torch.equal(streams, hc_update(*update, round_terms))
+    streams, *coefficients = hc_update_mix(*update, *mix)
+    assert torch.equal(streams, hc_update(*update, round_terms=True))
     for out, ref in zip(coefficients, hc_mix(streams, *mix)):
         assert_matches(out, ref, 1e-6)  # the partial sums' order alone: up to 3e-7 here
-    for out, ref in zip((streams, *coefficients), KernelOps().hc_update_mix(*update, *mix, round_terms)):
+    for out, ref in zip((streams, *coefficients), KernelOps().hc_update_mix(*update, *mix)):
         assert_matches(out, ref, UPDATE_TOL[dtype])
 
 
-@pytest.mark.parametrize("round_terms", [True, False])
-def test_hc_update_mix_rows_are_batch_invariant(round_terms):
+def test_hc_update_mix_rows_are_batch_invariant():
     """With batch_invariant, a row's four results are the same bits alone as in a batch of 70 (prefill-sized:
     other tiles without it)."""
     update, mix = _update_mix_args(5, 70, 4, 96, torch.bfloat16)
-    batch = hc_update_mix(*update, *mix, round_terms, batch_invariant=True)
+    batch = hc_update_mix(*update, *mix, batch_invariant=True)
     for row in (0, 69):
-        alone = hc_update_mix(*(x[row:row + 1] for x in update), *mix, round_terms, batch_invariant=True)
+        alone = hc_update_mix(*(x[row:row + 1] for x in update), *mix, batch_invariant=True)
         for out, in_batch in zip(alone, batch):
             assert torch.equal(out, in_batch[row:row + 1])
 
 
 def test_hc_update_mix_of_no_rows():
     update, mix = _update_mix_args(6, 0, 4, 40, torch.bfloat16)
-    shapes = [tuple(out.shape) for out in hc_update_mix(*update, *mix, round_terms=True)]
+    shapes = [tuple(out.shape) for out in hc_update_mix(*update, *mix)]
     assert shapes == [(0, 4, 40), (0, 4), (0, 4), (0, 4, 4)]

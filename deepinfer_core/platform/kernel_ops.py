@@ -612,16 +612,16 @@ class KernelOps:
     def hc_update_mix(
         self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
         fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float, hc_eps: float,
-        sinkhorn_iters: int, round_terms: bool,
+        sinkhorn_iters: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A site's stream update, then the next site's coefficients from the new streams: (new streams, pre,
-        post, comb). The update is `hc_post` (round_terms=True, V4) or `hc_expand` (False, V4.1) of (block_out,
-        streams, post, comb); the coefficients are `hc_mix` of the new streams with (fn, base, scale, norm_eps,
-        hc_eps, sinkhorn_iters). A backend may fuse the two (one pass over the streams).
-        Tolerance: the streams as `hc_post` / `hc_expand`, the coefficients as `hc_mix`.
+        """A V4 site's stream update, then the next site's coefficients from the new streams: (new streams, pre,
+        post, comb). The update is `hc_post` of (block_out, streams, post, comb); the coefficients are `hc_mix`
+        of the new streams with (fn, base, scale, norm_eps, hc_eps, sinkhorn_iters). A backend may fuse the two
+        (one pass over the streams). V4.1 calls `hc_expand` and `hc_mix` itself: its decode step measured
+        faster that way than with the nvidia backend's fused launch (H100, BENCHMARKS.md, 2026-12-05).
+        Tolerance: the streams as `hc_post`, the coefficients as `hc_mix`.
         """
-        update = self.hc_post if round_terms else self.hc_expand
-        streams = update(block_out, streams, post, comb)
+        streams = self.hc_post(block_out, streams, post, comb)
         return streams, *self.hc_mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
 
     @row_tiled("x")

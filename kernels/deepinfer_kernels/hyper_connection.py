@@ -326,11 +326,11 @@ def _update_stream(
 @triton.jit
 def _hc_update_mix_partial_kernel(
     o_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr, T, D, FN_ROWS,
-    N: tl.constexpr, ROUND_TERMS: tl.constexpr, FNP: tl.constexpr, WIDTH: tl.constexpr, COLUMNS: tl.constexpr,
+    N: tl.constexpr, FNP: tl.constexpr, WIDTH: tl.constexpr, COLUMNS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BF16: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
-    # `_hc_update_kernel`'s new streams for columns [chunk * COLUMNS, + COLUMNS) of all N streams, and from
+    # `_hc_update_kernel`'s new streams (V4's `hc_post`: each term rounded) for columns [chunk * COLUMNS, + COLUMNS) of all N streams, and from
     # them, as stored (in the streams' dtype), `_hc_mix_partial_kernel`'s partial sums over those flat columns
     # (j * D + col): the new streams go to memory once and are never read back.
     chunk, rows, row_ok, fn_rows, acc, squares = _partial_tile(T, BLOCK_T, FNP)
@@ -344,8 +344,7 @@ def _hc_update_mix_partial_kernel(
         # a loop over the streams, not unrolled: unrolled, the compiler keeps all N steps' loads in flight
         # (255 registers and spills at the prefill tile, `scripts/compile_kernels.py`)
         for j in range(N):
-            x = _update_stream(block_out, s_ptr, post_ptr, comb_ptr, out_ptr, row_col, cols[None, :], ok, D, j, N,
-                               ROUND_TERMS)
+            x = _update_stream(block_out, s_ptr, post_ptr, comb_ptr, out_ptr, row_col, cols[None, :], ok, D, j, N, True)
             w = tl.load(fn_ptr + fn_rows[None, :] * (N * D) + (j * D + cols)[:, None],
                         mask=(fn_rows < FN_ROWS)[None, :] & col_ok[:, None], other=0.0)
             acc, squares = _mix_partial(x, w, acc, squares, SPLIT_BF16)
@@ -374,11 +373,12 @@ def hc_update(
 
 def hc_update_mix(
     block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
-    base: torch.Tensor, scale: torch.Tensor, norm_eps: float, hc_eps: float, sinkhorn_iters: int, round_terms: bool,
+    base: torch.Tensor, scale: torch.Tensor, norm_eps: float, hc_eps: float, sinkhorn_iters: int,
     batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`hc_update` then `hc_mix` of the new streams (`KernelOps.hc_update_mix`) in two launches, where they took
-    three, and one pass over the streams: (new streams [T, n, D] streams.dtype, pre, post, comb float32).
+    """V4's `hc_update` (round_terms, `hc_post`) then `hc_mix` of the new streams (`KernelOps.hc_update_mix`) in two
+    launches, where they took three, and one pass over the streams: (new streams [T, n, D] streams.dtype, pre, post,
+    comb float32).
 
     The new streams are bitwise `hc_update`'s. The partial sums group the flat columns by columns of D across
     the n streams, not in `hc_mix`'s flat chunks: the coefficients differ from `hc_mix`'s in the float32
@@ -393,7 +393,7 @@ def hc_update_mix(
     if t:
         _hc_update_mix_partial_kernel[(triton.cdiv(t, block_t), parts.shape[0])](
             block_out.contiguous(), streams, post.float().contiguous(), comb.float().contiguous(), out,
-            fn.float().contiguous(), parts, t, d, fn.shape[0], N=n, ROUND_TERMS=round_terms, FNP=fnp, WIDTH=width,
+            fn.float().contiguous(), parts, t, d, fn.shape[0], N=n, FNP=fnp, WIDTH=width,
             COLUMNS=columns, BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BF16=out.dtype == torch.bfloat16,
             num_warps=warps, **launch_options(out.device),
         )

@@ -296,11 +296,10 @@ class TritonOps(KernelOps):
     def hc_update_mix(
         self, block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
         fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float, hc_eps: float,
-        sinkhorn_iters: int, round_terms: bool,
+        sinkhorn_iters: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self._hc_update_mix(
-            block_out, streams, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, round_terms,
-            self.batch_invariant,
+            block_out, streams, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, self.batch_invariant
         )
 
     def rope(

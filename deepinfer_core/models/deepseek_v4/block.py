@@ -44,7 +44,6 @@ class Block(nn.Module):
             streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *hc, norm.weight, norm.eps
         )
         streams, pre, post, comb = ops.hc_update_mix(
-            self.attn(attn_in, batch, cache), streams, post, comb, self.hc_ffn_fn, self.hc_ffn_base,
-            self.hc_ffn_scale, *hc, round_terms=True,
+            self.attn(attn_in, batch, cache), streams, post, comb, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *hc
         )
         return ops.hc_post(self.ffn(self.ffn_norm.of_collapse(streams, pre), input_ids), streams, post, comb)

@@ -54,11 +54,10 @@ class Block(nn.Module):
         if self.engram is not None:
             streams = self.engram(streams, engram_rows, state.image_rows)
         pre_attn, post, comb = ops.hc_mix(streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *hc)
-        attn_out = self.attn(self.attn_norm.of_collapse(streams, pre), batch, cache, state)
-        streams, pre_ffn, post, comb = ops.hc_update_mix(
-            attn_out, streams, post, comb, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *hc, round_terms=False
-        )
-        ffn_in = self.ffn_norm.of_collapse(streams, pre_attn)
+        attn_out = self.attn(self.attn_norm(ops.hc_collapse(streams, pre)), batch, cache, state)
+        streams = ops.hc_expand(attn_out, streams, post, comb)
+        pre_ffn, post, comb = ops.hc_mix(streams, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *hc)
+        ffn_in = self.ffn_norm(ops.hc_collapse(streams, pre_attn))
         ffn_out = self.ffn(ffn_in) if state.image_rows is None else self.ffn(ffn_in, image_rows=state.image_rows)
         streams = ops.hc_expand(ffn_out, streams, post, comb)
         self.trace.record(f"hidden_streams.layer{self.layer}", streams)

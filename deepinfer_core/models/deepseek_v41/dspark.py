@@ -205,12 +205,10 @@ class DSpark(nn.Module):
         hc = (c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
         for stage, ring in zip(self.mtp, rings):
             pre_attn, post, comb = ops.hc_mix(streams, stage.hc_attn_fn, stage.hc_attn_base, stage.hc_attn_scale, *hc)
-            x = stage.attn_norm.of_collapse(streams, pre)
-            streams, pre, post, comb = ops.hc_update_mix(
-                _block_attention(stage.attn, x, positions, ring, local), streams, post, comb, stage.hc_ffn_fn,
-                stage.hc_ffn_base, stage.hc_ffn_scale, *hc, round_terms=False,
-            )
-            ffn_out = stage.ffn(stage.ffn_norm.of_collapse(streams, pre_attn))
+            x = stage.attn_norm(ops.hc_collapse(streams, pre))
+            streams = ops.hc_expand(_block_attention(stage.attn, x, positions, ring, local), streams, post, comb)
+            pre, post, comb = ops.hc_mix(streams, stage.hc_ffn_fn, stage.hc_ffn_base, stage.hc_ffn_scale, *hc)
+            ffn_out = stage.ffn(stage.ffn_norm(ops.hc_collapse(streams, pre_attn)))
             streams = ops.hc_expand(ffn_out, streams, post, comb)
         return ops.hc_collapse(streams, pre).view(num_seqs, n, -1)
 

@@ -143,7 +143,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         state.image_rows = None if images is None else images.rows
         for layer in self.layers:
             streams, pre = layer(streams, pre, batch, cache, state, engram_rows.get(layer.layer))
-        hidden = self.norm.of_collapse(streams, pre)
+        hidden = self.norm(self.ops.hc_collapse(streams, pre))
         self.trace.record("final_hidden", hidden)
         return ModelOutput(hidden, streams)
 
