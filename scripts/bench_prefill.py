@@ -57,8 +57,6 @@ def main() -> None:
 
 
 def _deepinfer_rows(tiny, weights, tokens, seq_len, device, ops, ceilings):
-    from deepinfer_core.platform.kernel_ops import KernelOps
-
     ops = fresh_ops(type(ops), weights)
     bench = build_deepinfer(flash_slice_raw(tiny, weights), ops, device)
     model, config = bench.model, bench.config
@@ -78,16 +76,29 @@ def _deepinfer_rows(tiny, weights, tokens, seq_len, device, ops, ceilings):
         with recorded(rows, {"impl": "deepinfer", "weights": weights, "tokens": total, "seqs": len(lens)}, device) as row:
             logits = step()
             if total == tokens[0]:
-                use_ops(model, fresh_ops(KernelOps, weights))
-                expected = step()
-                use_ops(model, ops)
-                row["logits_rel_error_vs_reference_ops"] = float((logits - expected).norm() / expected.norm())
+                _compare_with_reference_ops(row, logits, step, model, ops, weights)
             row["finite"] = bool(torch.isfinite(logits).all())
             ms = time_ms(step, device, rep_ms=300)
             flops = per_token * total + attention_flops(config, batch.positions) + head_flops * len(lens)
             row.update(ms=ms, tokens_per_s=total / ms * 1e3, gflop_per_token=flops / total / 1e9,
                        tflops=flops / ms / 1e9, matmul_fraction=flops / ms / 1e9 / rate)
     return rows
+
+
+def _compare_with_reference_ops(row, logits, step, model, ops, weights) -> None:
+    """The logits' relative error against the same step on the reference ops. Those hold each layer's attention
+    scores at once ([heads, tokens, entries] float32: 16 GiB at 8,192 tokens), so where the card lacks the room
+    (an 80 GB H100 at 8,192 tokens) the row says there was no check, and the step is still timed."""
+    from deepinfer_core.platform.kernel_ops import KernelOps
+
+    use_ops(model, fresh_ops(KernelOps, weights))
+    try:
+        expected = step()
+        row["logits_rel_error_vs_reference_ops"] = float((logits - expected).norm() / expected.norm())
+    except torch.OutOfMemoryError as err:
+        row["note"] = f"no reference check: the reference ops ran out of memory ({str(err).split('.')[0]})"
+    finally:
+        use_ops(model, ops)
 
 
 def _hf_rows(tiny, tokens, seq_len, device):
@@ -118,7 +129,7 @@ def _report(rows, ceilings, out: Path) -> None:
             f"{cell(r.get('tokens_per_s'), '.0f'):>10}{cell(r.get('gflop_per_token'), '.2f'):>10}{cell(r.get('tflops'), '.1f'):>9}"
             f"{cell(r.get('matmul_fraction') and 100 * r['matmul_fraction'], '.1f'):>6}"
             f"{cell(ref if r['impl'] == 'deepinfer' else None, '.2f'):>9}{cell(ratio, '.2f'):>7}"
-            f"{cell(r.get('logits_rel_error_vs_reference_ops'), '.1e'):>9}  {r.get('error', '')[:80]}"
+            f"{cell(r.get('logits_rel_error_vs_reference_ops'), '.1e'):>9}  {r.get('error', r.get('note', ''))[:80]}"
         )
     table = "\n".join(lines)
     (out / "prefill.txt").write_text(table)
