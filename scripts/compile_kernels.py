@@ -146,8 +146,8 @@ def _hc_variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
         yield f"hc_mix_partial[{kind}]", mix, _types(mix, floats), dict(
             FNP=fnp, WIDTH=width, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k, SPLIT_BF16=True), warps, stages
         columns, block_d, block_t, warps = hyper_connection.update_mix_tiles(tokens, n, False)
-        yield f"hc_update_mix_partial[{kind}]", update_mix, _types(update_mix, floats), dict(
-            N=n, FNP=fnp, WIDTH=width, COLUMNS=columns, BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BF16=True), warps, stages
+        tiles = dict(N=n, FNP=fnp, WIDTH=width, COLUMNS=columns, BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BF16=True)
+        yield f"hc_update_mix_partial[{kind}]", update_mix, _types(update_mix, floats), tiles, warps, stages
 
 
 def _hc_model(round_terms: bool) -> str:

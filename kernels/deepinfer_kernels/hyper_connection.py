@@ -330,9 +330,9 @@ def _hc_update_mix_partial_kernel(
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BF16: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
-    # `_hc_update_kernel`'s new streams (V4's `hc_post`: each term rounded) for columns [chunk * COLUMNS, + COLUMNS) of all N streams, and from
-    # them, as stored (in the streams' dtype), `_hc_mix_partial_kernel`'s partial sums over those flat columns
-    # (j * D + col): the new streams go to memory once and are never read back.
+    # `_hc_update_kernel`'s new streams (V4's `hc_post`: each term rounded) for columns [chunk * COLUMNS,
+    # + COLUMNS) of all N streams, and from them, as stored (in the streams' dtype), `_hc_mix_partial_kernel`'s
+    # partial sums over those flat columns (j * D + col): the new streams go to memory once and are never read back.
     chunk, rows, row_ok, fn_rows, acc, squares = _partial_tile(T, BLOCK_T, FNP)
     # rows past T take row T - 1's coefficients: their streams load as zeros and none of theirs is stored
     row_col, row_col_ok = tl.minimum(rows, T - 1).to(tl.int64)[:, None], row_ok[:, None]

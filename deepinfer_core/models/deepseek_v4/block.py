@@ -44,6 +44,9 @@ class Block(nn.Module):
             streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *hc, norm.weight, norm.eps
         )
         streams, pre, post, comb = ops.hc_update_mix(
-            self.attn(attn_in, batch, cache), streams, post, comb, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *hc
+            self.attn(attn_in, batch, cache), streams, post, comb, self.hc_ffn_fn, self.hc_ffn_base,
+            self.hc_ffn_scale, *hc,
         )
-        return ops.hc_post(self.ffn(self.ffn_norm.of_collapse(streams, pre), input_ids), streams, post, comb)
+        norm = self.ffn_norm
+        ffn_in = ops.hc_collapse_norm(streams, pre, norm.weight, norm.eps)
+        return ops.hc_post(self.ffn(ffn_in, input_ids), streams, post, comb)

@@ -31,10 +31,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
 
-    def of_collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-        """This norm of `hc_collapse(streams, pre)`: a block site's input, one launch where the backend fuses them."""
-        return self.ops.hc_collapse_norm(streams, pre, self.weight, self.eps)
-
 
 @dataclass(frozen=True, slots=True)
 class ModuleFactory:
