@@ -74,6 +74,25 @@ def test_split_k_matches_reference(dtype, fmt):
 
 
 @pytest.mark.parametrize("num_sms", [None, 132])
+def test_tiles_in_row_bands_cover_the_output_once(monkeypatch, num_sms):
+    """3 row tiles x 2 column tiles visited in bands of 1, 2 (the last band short) and 3 row tiles (x larger
+    than X_IN_L2_BYTES), and whole columns (x within it): the same bits whatever the order, each the
+    reference's (split-K included: its counters per tile)."""
+    import deepinfer_kernels.linear as linear_module
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(300, 1024, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(200, 1024, generator=gen) / 8).to(torch.bfloat16)
+    outs = []
+    for band, x_in_l2_bytes in ((1, 0), (2, 0), (3, 0), (8, x.numel() * 2)):
+        monkeypatch.setattr(linear_module, "ROW_TILES_A_BAND", band)
+        monkeypatch.setattr(linear_module, "X_IN_L2_BYTES", x_in_l2_bytes)
+        outs.append(linear(x, weight, None, None, num_sms=num_sms))
+    assert_matches(outs[0], KernelOps().linear(x, weight, None, None), TOLERANCE[torch.bfloat16])
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
+@pytest.mark.parametrize("num_sms", [None, 132])
 def test_float32_output_holds_the_product_rounded_to_x(num_sms):
     """`out_dtype` (the LM head's float32 logits): bit for bit the bf16 output widened, with and without
     split-K, and its values are not the unrounded float32 sums."""

@@ -34,11 +34,17 @@ _ARRIVAL_COUNTERS = 1024
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of one row on CUDA cores (`one_row_tiles`).
 ONE_ROW_TILE = (1, 64, 128, 4, 3)
 FLOAT32_ROW_TILES = 16
+# Output tiles are visited in bands of this many row tiles, column tile after column tile within a band, so
+# that the programs running at once share a band's rows of x and a few columns of W in L2 (`_tile_coords`),
+# when a group's x is larger than X_IN_L2_BYTES (half an H100/H200's L2); a smaller x stays in L2 and is
+# walked whole, column tile after column tile, each column of W read once (`_row_band`).
+ROW_TILES_A_BAND = 8
+X_IN_L2_BYTES = 24 << 20
 
 
 @triton.jit
 def _linear_kernel(
-    x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, counter_ptr, M, N, K, K_PER_SPLIT, SPLITS,
+    x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, counter_ptr, M, N, K, K_PER_SPLIT, SPLITS, band,
     stride_xm, stride_xsm, stride_wn, stride_sn, stride_ym, stride_ysplit,
     stride_xg, stride_xsg, stride_wg, stride_sg, stride_yg,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
@@ -46,8 +52,8 @@ def _linear_kernel(
     ROUND_TO_X: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    row_tiles, column_tiles = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), row_tiles, column_tiles, band)
     # axis 2: the group, then this program's K range (with several, each writes a float32 partial sum)
     group = tl.program_id(2) // SPLITS
     split = tl.program_id(2) % SPLITS
@@ -76,7 +82,7 @@ def _linear_kernel(
         # and resets the tile's counter for the next launch: no reduction launch.
         tl.store(part_ptr + split.to(tl.int64) * stride_ysplit + cells, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the release below
-        counter = counter_ptr + (group * tl.num_programs(0) + pid_m) * tl.num_programs(1) + pid_n
+        counter = counter_ptr + (group * row_tiles + pid_m) * column_tiles + pid_n
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(SPLITS):
@@ -84,6 +90,17 @@ def _linear_kernel(
                 total += tl.load(part_ptr + s * stride_ysplit + cells, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptr + cells, _output(total, x_ptr, y_ptr, ROUND_TO_X), mask=mask)
             tl.store(counter, 0)
+
+
+@triton.jit
+def _tile_coords(tile, row_tiles, column_tiles, band):
+    """(row tile, column tile) of launch index `tile`: bands of `band` row tiles, each walked column by column
+    (the band's row tiles of one column next to each other)."""
+    band_tiles = band * column_tiles
+    first_row = (tile // band_tiles) * band
+    rows = tl.minimum(row_tiles - first_row, band)
+    within = tile % band_tiles
+    return first_row + within % rows, within // rows
 
 
 @triton.jit
@@ -161,6 +178,14 @@ def tile_config(m: int, fmt: int, one_row: bool = False) -> tuple[int, int, int,
     block_k = 128 if fmt == 1 or m <= 16 else 64
     warps = 4 if block_m <= 64 else 8
     return block_m, block_n, block_k, warps, 4 if m <= 16 else 3
+
+
+def _row_band(row_tiles: int, x_bytes: int) -> int:
+    """Row tiles a band of `_tile_coords`. On an H100 at 8,192 rows (BENCHMARKS.md), bands of 8 took wo_b
+    (128 MB of x) from 1.122 to 1.037 ms and the grouped wo_a from 1.201 to 1.069, where whole columns had
+    read all of x for every two columns of W; wq_b's 16 MB of x stayed in L2 either way and bands of 8 read
+    its 64 MB of W eight times (1.106 -> 1.214 ms)."""
+    return ROW_TILES_A_BAND if x_bytes > X_IN_L2_BYTES else max(row_tiles, 1)
 
 
 def one_row_tiles(
@@ -265,14 +290,16 @@ def grouped_linear(
         partials = torch.empty((splits, tokens, groups, n), dtype=torch.float32, device=x.device)
         counters = _arrival_counters(x.device, tiles[0] * tiles[1] * groups)
     s_stride = s.stride(0) if scale is not None else 0
-    _linear_kernel[(*tiles, groups * splits)](
+    _linear_kernel[(tiles[0] * tiles[1], 1, groups * splits)](
         x_in, x_scales, w, s, out, partials, counters, tokens, n, k, k_per_split, splits,
+        _row_band(tiles[0], tokens * k * x_in.element_size()),
         x_in.stride(0), x_scales.stride(0), w.stride(0), s_stride, out.stride(0), partials.stride(0),
         x_in.stride(1), x_scales.stride(1) if a8 else 0, n * w.stride(0), scale_rows_per_group * s_stride,
         out.stride(1),
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-        A8=a8, ROUND_TO_X=out.dtype != x.dtype, num_warps=warps, num_stages=stages, **launch_options(x.device),
+        A8=a8, ROUND_TO_X=out.dtype != x.dtype, num_warps=warps, num_stages=stages,
+        **launch_options(x.device),
     )
     return out
 
