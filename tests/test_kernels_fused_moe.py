@@ -107,6 +107,24 @@ def test_the_shared_expert_in_the_routed_launches_equals_it_run_apart(fmt):
         moe_routed(x, weights, ids, stack, 1.5, shared=_mlp("dense", 96, 32, torch.Generator(), torch.bfloat16))
 
 
+def test_a_stack_of_the_models_experts_goes_with_them():
+    """Experts held as the model holds them (Parameters viewing one stacked tensor) are stacked without a copy,
+    and the stack goes when they are freed: a second model built in the process does not find the first's
+    memory still taken."""
+    import gc
+
+    from deepinfer_core.platform.kernel_ops import MlpWeights
+
+    stacked = [torch.randn(4, 32, 64), torch.randn(4, 32, 64), torch.randn(4, 64, 32)]
+    experts = [MlpWeights(*(torch.nn.Parameter(s[e], requires_grad=False) for s in stacked)) for e in range(4)]
+    ops = TritonOps()
+    stack = ops._stack(experts, torch.device("cpu"))
+    assert stack.w1.data_ptr() == stacked[0].data_ptr() and torch.equal(stack.w2, stacked[2])
+    del stack, experts
+    gc.collect()
+    assert len(ops._expert_stacks) == 0
+
+
 def test_the_slot_sum_stores_the_activation_dtype_with_one_rounding():
     """With nothing added after the routed launches (shared expert fused or absent), the slot sum stores x's
     dtype itself: the float32 sum rounded once, bit for bit what converting the float32 result gives."""

@@ -24,7 +24,8 @@ class ExpertStacks(Generic[Stack]):
     """`get(experts, build)`: the stack `build(held)` made for these experts (`held`: the indices of the experts
     present), rebuilt when the held indices change, or when the first or last held expert's weights are other
     tensors or were written in place (a reload). An entry is dropped when its first expert's w1 is freed, so a
-    freed model's stacks go with it."""
+    freed model's stacks go with it; the stack must therefore not hold that tensor (a view of it does, as its
+    `_base`: view a `detach()`ed alias instead), or neither is ever freed."""
 
     def __init__(self) -> None:
         # id(first held expert's w1) -> (held indices, weak references to the six key tensors, their versions, stack)

@@ -443,5 +443,8 @@ def _stacked(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
             for i, t in enumerate(tensors)
         )
     ):
-        return first.as_strided((len(tensors), *first.shape), (step // size, *first.stride()))
+        # from a detached alias: a view of `first` itself would hold it as its base, and the stack's entry
+        # (`ExpertStacks`, dropped when the first expert's weight is freed) would keep it alive, and so the
+        # whole stack, after the model is gone
+        return first.detach().as_strided((len(tensors), *first.shape), (step // size, *first.stride()))
     return torch.stack(tensors)
