@@ -1,7 +1,8 @@
 """`TritonOps`: the reference `KernelOps` with its hot ops replaced by `deepinfer_kernels` Triton kernels.
 
 Kernels are resolved once here (module imports at construction); each override is a plain call.
-An op keeps the reference path for the inputs its kernel does not cover (named at each fallback).
+An op keeps the reference path for the inputs its kernel does not cover (named at each fallback), and
+projections of prefill size go to cuBLAS where it measured faster than the Triton tiles (`CUBLAS_ROWS`).
 In batch-invariant mode (`KernelOps.batch_invariant`) each kernel gets fixed tile sizes and fixed
 reduction orders; the reference ops that remain run on `row_tile`-row tiles (so a cuBLAS call always
 has the same shape).
@@ -20,10 +21,22 @@ from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
 from deepinfer_core.platform.row_tiles import row_tiled
 from deepinfer_nvidia.host_tables import device_readable
 
-__all__ = ["ROUTER_TRITON_ROWS", "TritonOps"]
+__all__ = ["CUBLAS_ROWS", "CUBLAS_W8A16_ROWS", "ROUTER_TRITON_ROWS", "TritonOps"]
 
 # `TritonOps.router_logits` takes the Triton linear up to this many rows.
 ROUTER_TRITON_ROWS = 16
+# `TritonOps.linear` / `grouped_linear` hand projections of at least this many rows to cuBLAS outside
+# batch-invariant mode: a dense half-precision weight (the reference op) and, in `linear`, W8A8 in DeepSeek's
+# 128 x 128 blocks (`block_scaled_mm`). On an H100 cuBLAS was faster at 1,024 rows and above on every V4-Flash
+# projection but the indexer's wq (W8A8 even at 1,024), and at 512 on most (BENCHMARKS.md). The grouped
+# W8A8 wo_a stays on the Triton launch: a cuBLAS call a group took 0.91 ms in one run and 1.93 in another at
+# 8,192 rows (eight products and their scale layouts launched from the host), against Triton's 1.1.
+CUBLAS_ROWS = 1024
+# An fp8 weight meeting x unquantised (W8A16) from this many rows: the reference op, which widens the weight to
+# x's dtype and multiplies on cuBLAS, beat the Triton tiles from 4,096 rows (H100: wq_b 0.67 against 1.15 ms;
+# at 1,024 rows 0.40 against 0.31). fp4 weights stay on the Triton tiles: widening them cost more than it
+# saved at every size measured (wq_b 1.66 against 1.43 ms at 8,192 rows).
+CUBLAS_W8A16_ROWS = 4096
 
 
 class TritonOps(KernelOps):
@@ -39,6 +52,7 @@ class TritonOps(KernelOps):
         return not self.batch_invariant
 
     def __init__(self) -> None:
+        from deepinfer_nvidia import block_scaled_mm
         from deepinfer_kernels import (
             cache_writes, compress_kv, engram_gate, engram_hash, fused_moe, hyper_connection, indexer, indexer_scores,
             kv_codes, linear, paging, rms_norm, rope, routing, row_gather, sparse_attention,
@@ -49,6 +63,8 @@ class TritonOps(KernelOps):
         self._linear = linear.linear
         self._linear_supported = linear.linear_supported
         self._grouped_linear = linear.grouped_linear
+        self._block_scaled_mm = block_scaled_mm.block_scaled_mm
+        self._block_scaled_supported = block_scaled_mm.block_scaled_supported
         self._moe_routed = fused_moe.moe_routed
         self._route_logits = routing.route_logits
         self._routing_supported = routing.routing_supported
@@ -101,6 +117,11 @@ class TritonOps(KernelOps):
         # other than 32, 64 or 128), fp4 rows that are not whole scale groups.
         if not self._linear_supported(weight, block, self.fp8_activations):
             return super().linear(x, weight, scale, block)
+        rows = x.numel() // x.shape[-1]
+        if self._dense_on_cublas(x, weight, rows):
+            return super().linear(x, weight, scale, block)
+        if self._block_scaled_on_cublas(x, weight, block, rows, weight.shape[0]):
+            return self._block_scaled_mm(x.reshape(rows, -1), weight, scale).view(*x.shape[:-1], weight.shape[0])
         return self._linear(
             x, weight, scale, block, self.batch_invariant, self._num_sms(x.device), self.fp8_activations
         )
@@ -116,9 +137,29 @@ class TritonOps(KernelOps):
         # Fallback: what `linear` refuses, and fp8 groups that would split a scale block.
         if not self._linear_supported(weight, block, self.fp8_activations) or (block is not None and rows % block[0]):
             return super().grouped_linear(x, weight, scale, block)
+        if self._dense_on_cublas(x, weight, x.shape[0]):
+            return super().grouped_linear(x, weight, scale, block)
         return self._grouped_linear(
             x, weight, scale, block, self.batch_invariant, self._num_sms(x.device), self.fp8_activations
         )
+
+    def _dense_on_cublas(self, x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+        """Whether a projection of `rows` rows of a half-precision x runs as the reference op does, on cuBLAS:
+        a dense weight in x's dtype from `CUBLAS_ROWS` (H100, 8,192 rows: wq_b 0.83 against 1.11 ms, wo_b 0.77
+        against 1.03, the grouped wo_a 0.84 against 1.09), an fp8 weight meeting x unquantised from
+        `CUBLAS_W8A16_ROWS`. Not in batch-invariant mode, where cuBLAS would pick its kernel by the row count."""
+        if self.batch_invariant or x.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        if weight.dtype == torch.float8_e4m3fn:
+            return not self.fp8_activations and rows >= CUBLAS_W8A16_ROWS
+        return weight.dtype == x.dtype and rows >= CUBLAS_ROWS
+
+    def _block_scaled_on_cublas(self, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None,
+                                rows: int, out_features: int) -> bool:
+        """Whether a W8A8 `linear` runs on cuBLAS's block-scaled GEMM (`block_scaled_mm`; H100, 8,192 rows:
+        wq_b 0.58 against 0.87 ms, wo_b 0.58 against 0.87), under the same conditions as `_dense_on_cublas`."""
+        return (not self.batch_invariant and self.fp8_activations and rows >= CUBLAS_ROWS
+                and self._block_scaled_supported(x, weight, block, rows, out_features))
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # float32 straight from the product: no widening pass, which in a decode graph is a torch kernel
