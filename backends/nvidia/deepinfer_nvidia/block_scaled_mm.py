@@ -37,15 +37,15 @@ def block_scaled_supported(x: torch.Tensor, weight: torch.Tensor, block: tuple[i
     that tile W whole, K in whole groups of four blocks (cuBLAS's scale layout pads K's blocks to a multiple
     of four), rows a multiple of 4 (cuBLASLt's), on a device that has it."""
     k = weight.shape[1]
-    return (weight.dtype == torch.float8_e4m3fn and tuple(block or ()) == BLOCK and x.dtype == torch.bfloat16
-            and out_features % BLOCK[0] == 0 and k % (4 * BLOCK[1]) == 0 and rows % 4 == 0
+    return (weight.dtype == torch.float8_e4m3fn and weight.is_contiguous() and tuple(block or ()) == BLOCK
+            and x.dtype == torch.bfloat16 and out_features % BLOCK[0] == 0 and k % (4 * BLOCK[1]) == 0 and rows % 4 == 0
             and _device_has_it(x.device))
 
 
 def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] bf16 (unit column stride) @ W.T for W fp8 [N, K] with e8m0 block scales [N/128, K/128]:
+    """x [M, K] bf16 @ W.T for W fp8 [N, K] (contiguous) with e8m0 block scales [N/128, K/128]:
     [M, N] bf16."""
-    codes, x_scales = quantize_fp8_rows(x, BLOCK[1])
+    codes, x_scales = quantize_fp8_rows(x if x.stride(-1) == 1 else x.contiguous(), BLOCK[1])
     # cuBLAS reads both scale tensors column-major: x's [M, K/128] with stride (1, M), W's as [K/128, N/128]
     # with stride (1, K/128), which is W's row-major [N/128, K/128] transposed.
     return torch._scaled_mm(codes, weight.t(), x_scales.t().contiguous().t(), scale.float().t(),

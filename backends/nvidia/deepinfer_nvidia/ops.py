@@ -27,10 +27,11 @@ __all__ = ["CUBLAS_ROWS", "CUBLAS_W8A16_ROWS", "ROUTER_TRITON_ROWS", "TritonOps"
 ROUTER_TRITON_ROWS = 16
 # `TritonOps.linear` / `grouped_linear` hand projections of at least this many rows to cuBLAS outside
 # batch-invariant mode: a dense half-precision weight (the reference op) and, in `linear`, W8A8 in DeepSeek's
-# 128 x 128 blocks (`block_scaled_mm`). On an H100 cuBLAS was faster at 1,024 rows and above on every V4-Flash
-# projection but the indexer's wq (W8A8 even at 1,024), and at 512 on most (BENCHMARKS.md). The grouped
-# W8A8 wo_a stays on the Triton launch: a cuBLAS call a group took 0.91 ms in one run and 1.93 in another at
-# 8,192 rows (eight products and their scale layouts launched from the host), against Triton's 1.1.
+# 128 x 128 blocks (`block_scaled_mm`). On an H100 cuBLAS was faster from 1,024 rows on every V4-Flash
+# projection in bf16, and in W8A8 on all but two points (the indexer's wq even at 1,024, wkv slower at 4,096;
+# BENCHMARKS.md). The grouped W8A8 wo_a stays on the Triton launch: a cuBLAS call a group took 0.91 ms in one
+# run and 1.93 in another at 8,192 rows (eight products and their scale layouts launched from the host),
+# against Triton's 1.1.
 CUBLAS_ROWS = 1024
 # An fp8 weight meeting x unquantised (W8A16) from this many rows: the reference op, which widens the weight to
 # x's dtype and multiplies on cuBLAS, beat the Triton tiles from 4,096 rows (H100: wq_b 0.67 against 1.15 ms;
