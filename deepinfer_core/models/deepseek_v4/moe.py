@@ -10,7 +10,7 @@ from deepinfer_core.platform.kernel_ops import MlpWeights
 
 from .factory import ModuleFactory
 
-__all__ = ["Gate", "Expert", "MoE"]
+__all__ = ["Gate", "Expert", "MoE", "share_one_storage"]
 
 
 class Gate(nn.Module):
@@ -55,7 +55,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({
             str(e): Expert(f, routed=True) for e in range(c.n_routed_experts) if f.holds_expert(layer_idx, e)
         })
-        _share_one_storage(list(self.experts.values()))
+        share_one_storage(list(self.experts.values()))
         self.shared_experts = Expert(f, routed=False)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -70,11 +70,12 @@ class MoE(nn.Module):
         return self.ops.fused_moe(x, weights, ids, experts, self.shared_experts.weights(), c.swiglu_limit)
 
 
-def _share_one_storage(experts: list[Expert]) -> None:
+def share_one_storage(experts: list[Expert]) -> None:
     """Re-point each held expert's tensors at slices of one stacked [E_held, N, K] tensor per projection.
 
     Names stay `experts.{e}.w1.weight` (the loader's in-place copy fills the stack), and grouped-GEMM
-    kernels read the stack without copying it.
+    kernels read the stack without copying it (a backend given experts in separate tensors stacks a copy:
+    twice the expert memory). Every model with routed experts calls it on the ones it holds.
     """
     if not experts:
         return

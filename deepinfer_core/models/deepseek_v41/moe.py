@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer_core.models.deepseek_v4.moe import Expert
+from deepinfer_core.models.deepseek_v4.moe import Expert, share_one_storage
 from deepinfer_core.platform.kernel_ops import KernelOps
 
 from .config import DeepseekV41TextConfig
@@ -48,6 +48,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({
             str(e): Expert(f, routed=True) for e in range(c.n_routed_experts) if f.holds_expert(layer, e)
         })
+        share_one_storage(list(self.experts.values()))
         self.shared_experts = Expert(f, routed=False)
 
     def forward(self, x: torch.Tensor, image_rows: torch.Tensor | None = None) -> torch.Tensor:
