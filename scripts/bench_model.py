@@ -190,13 +190,15 @@ def replayed_decode(model, cache: DeepseekV4Cache, batch: ForwardBatch, block_si
     return lambda: graphs.logits(batch)
 
 
-def weight_flops_per_token(model: DeepseekV4ForCausalLM) -> float:
+def weight_flops_per_token(model: torch.nn.Module) -> float:
     """2 x the logical weight elements one token multiplies (routed experts at k of E), without the LM
-    head (the benchmarks add it for the tokens whose logits are computed) and the embedding lookup."""
-    c = model.config
+    head (the benchmarks add it for the tokens whose logits are computed) and the embedding lookups
+    (V4's or V4.1's model)."""
+    c = getattr(model.config, "text_config", model.config)  # V4.1 nests its text model's config
     flops = 0.0
     for name, p in model.named_parameters():
-        if p.dim() != 2 or name.startswith(("embed.", "head.", "mtp.")) or name.endswith(("scale", "ape")):
+        if (p.dim() != 2 or name.startswith(("embed.", "head.", "mtp.")) or name.endswith(("scale", "ape"))
+                or ".engram.embed." in name):  # V4.1's engram tables: a token looks rows up, multiplies none
             continue
         elements = p.numel() * (2 if p.dtype == torch.int8 else 1)
         if ".experts." in name:

@@ -59,16 +59,25 @@ def main() -> None:
 def _deepinfer_rows(tiny, weights, tokens, seq_len, device, ops, ceilings):
     ops = fresh_ops(type(ops), weights)
     bench = build_deepinfer(flash_slice_raw(tiny, weights), ops, device)
-    model, config = bench.model, bench.config
+    config = bench.config
     block_size = 2 * max(config.compress_ratios)
+    return prefill_rows(bench.model, ops, weights, tokens, seq_len, block_size, device, ceilings,
+                        lambda batch: random_cache(config, batch, block_size, device),
+                        lambda positions: attention_flops(config, positions), config.hidden_size * config.vocab_size)
+
+
+def prefill_rows(model, ops, weights, tokens, seq_len, block_size, device, ceilings, make_cache, attention, head_size):
+    """A row per step size in `tokens` (uncached prompts of seq_len, logits of each prompt's last token):
+    step ms, tokens/s, FLOPs per token (weights, attention(positions), the LM head of head_size weights a
+    logit row) and their rate against the matmul ceiling of the weights' format; the first size's logits
+    against the reference ops. V4's and V4.1's benchmarks alike."""
     per_token = weight_flops_per_token(model)
-    head_flops = 2 * config.hidden_size * config.vocab_size
     rate = ceilings.fp8_tflops if weights != "bf16" and ceilings.fp8_tflops else ceilings.bf16_tflops
     rows = []
     for total in tokens:
         lens = [min(seq_len, total - start) for start in range(0, total, seq_len)]
         batch = step_batch(lens, [0] * len(lens), block_size, device)
-        cache = random_cache(config, batch, block_size, device)
+        cache = make_cache(batch)
 
         def step():
             return model.compute_logits(model(batch, cache).hidden[batch.logits_indices])
@@ -79,7 +88,7 @@ def _deepinfer_rows(tiny, weights, tokens, seq_len, device, ops, ceilings):
                 _compare_with_reference_ops(row, logits, step, model, ops, weights)
             row["finite"] = bool(torch.isfinite(logits).all())
             ms = time_ms(step, device, rep_ms=300)
-            flops = per_token * total + attention_flops(config, batch.positions) + head_flops * len(lens)
+            flops = per_token * total + attention(batch.positions) + 2 * head_size * len(lens)
             row.update(ms=ms, tokens_per_s=total / ms * 1e3, gflop_per_token=flops / total / 1e9,
                        tflops=flops / ms / 1e9, matmul_fraction=flops / ms / 1e9 / rate)
     return rows
@@ -115,26 +124,27 @@ def _hf_rows(tiny, tokens, seq_len, device):
     return rows
 
 
-def _report(rows, ceilings, out: Path) -> None:
+def _report(rows, ceilings, out: Path, name: str = "prefill") -> None:
+    """out/<name>.txt, .json and .png: the table, the rows, the plot."""
     out.mkdir(parents=True, exist_ok=True)
     hf = {r["tokens"]: r["ms"] for r in rows if r["impl"] == "transformers" and "ms" in r}
     lines = [f"ceilings (measured): {ceilings.describe()}",
-             f"{'impl':<13}{'weights':<8}{'tokens':>7}{'seqs':>5}{'step_ms':>10}{'tok/s':>10}{'GFLOP/tok':>10}"
+             f"{'impl':<13}{'weights':<11}{'tokens':>7}{'seqs':>5}{'step_ms':>10}{'tok/s':>10}{'GFLOP/tok':>10}"
              f"{'TFLOP/s':>9}{'%mm':>6}{'hf_ms':>9}{'x_hf':>7}{'rel_err':>9}  error"]
     for r in rows:
         ms, ref = r.get("ms"), hf.get(r.get("tokens"))
         ratio = ref / ms if ms and ref and r["impl"] == "deepinfer" else None
         lines.append(
-            f"{r['impl']:<13}{r['weights']:<8}{cell(r.get('tokens'), 'd'):>7}{cell(r.get('seqs'), 'd'):>5}{cell(ms, '.2f'):>10}"
+            f"{r['impl']:<13}{r['weights']:<11}{cell(r.get('tokens'), 'd'):>7}{cell(r.get('seqs'), 'd'):>5}{cell(ms, '.2f'):>10}"
             f"{cell(r.get('tokens_per_s'), '.0f'):>10}{cell(r.get('gflop_per_token'), '.2f'):>10}{cell(r.get('tflops'), '.1f'):>9}"
             f"{cell(r.get('matmul_fraction') and 100 * r['matmul_fraction'], '.1f'):>6}"
             f"{cell(ref if r['impl'] == 'deepinfer' else None, '.2f'):>9}{cell(ratio, '.2f'):>7}"
             f"{cell(r.get('logits_rel_error_vs_reference_ops'), '.1e'):>9}  {r.get('error', r.get('note', ''))[:80]}"
         )
     table = "\n".join(lines)
-    (out / "prefill.txt").write_text(table)
-    (out / "prefill.json").write_text(json.dumps({"ceilings": ceilings.describe(), "rows": rows}, indent=1))
-    _plot(rows, out / "prefill.png")
+    (out / f"{name}.txt").write_text(table)
+    (out / f"{name}.json").write_text(json.dumps({"ceilings": ceilings.describe(), "rows": rows}, indent=1))
+    _plot(rows, out / f"{name}.png")
     print(table)
 
 
@@ -149,7 +159,7 @@ def _plot(rows, path: Path) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=" ".join(key))
             for ms, tps, n in pts:
                 ax.annotate(str(n), (ms, tps), fontsize=7)
-    finish_plot(fig, ax, path, "step latency (ms)", "prefill tokens/s per GPU (4-layer slice)", x_log_base=10)
+    finish_plot(fig, ax, path, "step latency (ms)", "prefill tokens/s per GPU (the benchmark's layer slice)", x_log_base=10)
 
 
 if __name__ == "__main__":
