@@ -97,7 +97,7 @@ class KernelOps:
         is rounded to fp8 first (groups of bk columns). Returns [..., N] in x.dtype.
         Tolerance: float32 1e-5 relative, bfloat16 1e-2 relative (accumulation order).
         """
-        w = _dequantized(weight, scale, block, x.dtype)
+        w = self.dequantize_weight(weight, scale, block, x.dtype)
         return torch.nn.functional.linear(self._activations(x, weight, block), w)
 
     @row_tiled("x")
@@ -114,8 +114,16 @@ class KernelOps:
         with out[t, g] = W[g*R:(g+1)*R] @ x[t, g]. Tolerance as `linear`.
         """
         groups = x.shape[1]
-        w = _dequantized(weight, scale, block, x.dtype).view(groups, -1, x.shape[-1])
+        w = self.dequantize_weight(weight, scale, block, x.dtype).view(groups, -1, x.shape[-1])
         return torch.bmm(self._activations(x, weight, block).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+
+    def dequantize_weight(
+        self, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """A projection's weight, stored as `linear` takes it, as `dtype` [N, K]: what `linear` and
+        `grouped_linear` multiply by. Exact (an fp8 or fp4 code times a power of two is representable in
+        float32 and bfloat16 alike); a backend's version must give the same bits."""
+        return _dequantized(weight, scale, block, dtype)
 
     def _activations(self, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
         """x as the projection meets it: rounded to fp8 for an fp8 weight under `fp8_activations`."""

@@ -287,6 +287,16 @@ def _quantized_linear_inputs(gen, dt, fmt, groups=0):
     return (x, weight, scale), {}
 
 
+def _weight_dequant_inputs(gen, dt):
+    """An fp8 weight whose last row and column blocks are cut short, scales spread over 40 binades."""
+    from deepinfer_core.quantization import quantize_fp8_block
+
+    block = (32, 64)
+    weight, _ = quantize_fp8_block(_randn(gen, 70, 200), block)
+    exponents = torch.randint(107, 148, (3, 4), generator=gen, dtype=torch.uint8)
+    return (weight, exponents.view(torch.float8_e8m0fnu), block, dt), {}
+
+
 # Attention / MoE-sized reductions: bf16 rounding of each product and of the outputs.
 _WIDE_RTOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 _WIDE_ATOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
@@ -629,4 +639,6 @@ OP_CASES += [
     OpCase("selection_tables", "picks", lambda g, dt: _selection_tables_inputs(g), dtypes=(torch.int64,)),
     OpCase("fp8_block_quantize", "paged_rows", lambda g, dt: _v41_paged_write_inputs(g, dt, "fp8")),
     OpCase("fp4_block_quantize", "paged_rows", lambda g, dt: _v41_paged_write_inputs(g, dt, "fp4")),
+    # exact: a code times a power of two, compared bit for bit
+    OpCase("dequantize_weight", "fp8_block", _weight_dequant_inputs),
 ]

@@ -35,7 +35,8 @@ ROUTER_TRITON_ROWS = 16
 CUBLAS_ROWS = 1024
 # An fp8 weight meeting x unquantised (W8A16) from this many rows: the reference op, which widens the weight to
 # x's dtype and multiplies on cuBLAS, beat the Triton tiles from 4,096 rows (H100: wq_b 0.67 against 1.15 ms;
-# at 1,024 rows 0.40 against 0.31). fp4 weights stay on the Triton tiles: widening them cost more than it
+# at 1,024 rows 0.40 against 0.31), measured with the reference's float32 widening, before `dequantize_weight`
+# widened in one pass. fp4 weights stay on the Triton tiles: widening them cost more than it
 # saved at every size measured (wq_b 1.66 against 1.43 ms at 8,192 rows).
 CUBLAS_W8A16_ROWS = 4096
 
@@ -56,7 +57,7 @@ class TritonOps(KernelOps):
         from deepinfer_nvidia import block_scaled_mm
         from deepinfer_kernels import (
             cache_writes, compress_kv, engram_gate, engram_hash, fused_moe, hyper_connection, indexer, indexer_scores,
-            kv_codes, linear, paging, rms_norm, rope, routing, row_gather, sparse_attention,
+            kv_codes, linear, paging, rms_norm, rope, routing, row_gather, sparse_attention, weight_dequant,
         )
 
         self._rms_norm = rms_norm.rms_norm
@@ -64,6 +65,8 @@ class TritonOps(KernelOps):
         self._linear = linear.linear
         self._linear_supported = linear.linear_supported
         self._grouped_linear = linear.grouped_linear
+        self._dequantize_fp8_weight = weight_dequant.dequantize_fp8_weight
+        self._fp8_weight_supported = weight_dequant.fp8_weight_supported
         self._block_scaled_mm = block_scaled_mm.block_scaled_mm
         self._block_scaled_supported = block_scaled_mm.block_scaled_supported
         self._moe_routed = fused_moe.moe_routed
@@ -143,6 +146,14 @@ class TritonOps(KernelOps):
         return self._grouped_linear(
             x, weight, scale, block, self.batch_invariant, self._num_sms(x.device), self.fp8_activations
         )
+
+    def dequantize_weight(
+        self, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        # Fallback: dense and fp4 weights, and what the reference refuses (a scale of the wrong shape).
+        if not self._fp8_weight_supported(weight, scale, block, dtype):
+            return super().dequantize_weight(weight, scale, block, dtype)
+        return self._dequantize_fp8_weight(weight, scale, block, dtype)
 
     def _dense_on_cublas(self, x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
         """Whether a projection of `rows` rows of a half-precision x runs as the reference op does, on cuBLAS:
