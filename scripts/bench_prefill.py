@@ -34,18 +34,27 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments both prefill benchmarks take (`step_sizes` reads the sizes)."""
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--tokens", type=_ints, default=None, help="tokens per step (default 4096,8192,16384)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per prompt (default 8192)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+
+
+def step_sizes(args: argparse.Namespace) -> tuple[list[int], int]:
+    """(tokens per step, tokens per prompt): the arguments, or the defaults of a GPU or a --tiny run."""
+    return args.tokens or ([24, 48] if args.tiny else [4096, 8192, 16384]), args.seq_len or (24 if args.tiny else 8192)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_step_arguments(parser)
     parser.add_argument("--weights", default="bf16,fp4", help="comma list of bf16, fp8, fp4; fp8-a8 / fp4-a8 add fp8 activations (W8A8 projections)")
     parser.add_argument("--hf-max-tokens", type=int, default=8192, help="largest step run on transformers")
     parser.add_argument("--no-hf", action="store_true")
-    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = parser.parse_args()
-    tokens = args.tokens or ([24, 48] if args.tiny else [4096, 8192, 16384])
-    seq_len = args.seq_len or (24 if args.tiny else 8192)
+    tokens, seq_len = step_sizes(args)
     device, ops = setup(args.tiny)
     ceilings = sweep_ceilings(device, args.tiny)
     hf_tokens = [t for t in tokens if t <= args.hf_max_tokens]
@@ -53,7 +62,7 @@ def main() -> None:
         args.weights.split(","), lambda w: _deepinfer_rows(args.tiny, w, tokens, seq_len, device, ops, ceilings),
         None if args.no_hf else lambda: _hf_rows(args.tiny, hf_tokens, seq_len, device), device,
     )
-    _report(rows, ceilings, Path(args.out))
+    write_report(rows, ceilings, Path(args.out))
 
 
 def _deepinfer_rows(tiny, weights, tokens, seq_len, device, ops, ceilings):
@@ -124,7 +133,7 @@ def _hf_rows(tiny, tokens, seq_len, device):
     return rows
 
 
-def _report(rows, ceilings, out: Path, name: str = "prefill") -> None:
+def write_report(rows, ceilings, out: Path, name: str = "prefill") -> None:
     """out/<name>.txt, .json and .png: the table, the rows, the plot."""
     out.mkdir(parents=True, exist_ok=True)
     hf = {r["tokens"]: r["ms"] for r in rows if r["impl"] == "transformers" and "ms" in r}

@@ -15,7 +15,6 @@ CPU:  python3 scripts/bench_prefill_v41.py --tiny
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ sys.path[:0] = [str(REPO), str(REPO / "kernels"), str(REPO / "backends" / "nvidi
 
 from bench_decode_v41 import build_model, random_cache, slice_config  # noqa: E402
 from bench_model import fresh_ops, setup  # noqa: E402
-from bench_prefill import _ints, _report, prefill_rows  # noqa: E402
+from bench_prefill import add_step_arguments, prefill_rows, step_sizes, write_report  # noqa: E402
 from kernel_bench_common import collect_rows, sweep_ceilings  # noqa: E402
 
 BLOCK_SIZE = 8  # a multiple of every compression ratio of the slice (1, 2) and of the candidate block (8)
@@ -52,15 +51,11 @@ def attention_flops(config, positions: torch.Tensor) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--tokens", type=_ints, default=None, help="tokens per step (default 4096,8192,16384)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per prompt (default 8192)")
+    add_step_arguments(parser)
     parser.add_argument("--weights", default="fp8-fp4", help="comma list of fp8-fp4 (the release's), fp8-fp4-a8")
     parser.add_argument("--engram-vocab", type=int, default=None, help="engram_vocab_size (release 16,000,000)")
-    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = parser.parse_args()
-    tokens = args.tokens or ([24, 48] if args.tiny else [4096, 8192, 16384])
-    seq_len = args.seq_len or (24 if args.tiny else 8192)
+    tokens, seq_len = step_sizes(args)
     device, ops = setup(args.tiny)
     ceilings = sweep_ceilings(device, args.tiny)
     config = slice_config(args.tiny, args.engram_vocab or (61 if args.tiny else 40_000))
@@ -75,7 +70,7 @@ def main() -> None:
                             lambda batch: random_cache(config, batch, BLOCK_SIZE, device),
                             lambda positions: attention_flops(config, positions), text.hidden_size * text.vocab_size)
 
-    _report(collect_rows(args.weights.split(","), rows, None, device), ceilings, Path(args.out), "prefill_v41")
+    write_report(collect_rows(args.weights.split(","), rows, None, device), ceilings, Path(args.out), "prefill_v41")
 
 
 if __name__ == "__main__":
