@@ -4,7 +4,9 @@ DeepInfer (nvidia backend ops) beside transformers' DeepseekV4ForCausalLM, same 
 Each step is uncached prompts (context 0) of --seq-len tokens (fewer when the step is smaller), logits
 for the last token of each. Printed per row: step ms, tokens/s, model FLOPs per token, achieved TFLOP/s
 and its fraction of the measured bf16 matmul rate (fp8 rate for fp8/fp4 weights), transformers' time
-and the ratio. Written to $OUT (or --out): prefill.json, prefill.txt, prefill.png.
+and the ratio; for the first size, the error against the reference ops (rel_err: the logits; tok_med /
+tok_max / >0.1: each token's final hidden state, median, largest, share above 0.1). Written to $OUT (or
+--out): prefill.json, prefill.txt, prefill.png.
 
 GPU:  python3 scripts/bench_prefill.py
 CPU:  python3 scripts/bench_prefill.py --tiny
@@ -88,13 +90,16 @@ def prefill_rows(model, ops, weights, tokens, seq_len, block_size, device, ceili
         batch = step_batch(lens, [0] * len(lens), block_size, device)
         cache = make_cache(batch)
 
+        def hidden():
+            return model(batch, cache).hidden
+
         def step():
-            return model.compute_logits(model(batch, cache).hidden[batch.logits_indices])
+            return model.compute_logits(hidden()[batch.logits_indices])
 
         with recorded(rows, {"impl": "deepinfer", "weights": weights, "tokens": total, "seqs": len(lens)}, device) as row:
             logits = step()
             if total == tokens[0]:
-                _compare_with_reference_ops(row, logits, step, model, ops, weights)
+                _compare_with_reference_ops(row, hidden, batch.logits_indices, model, ops, weights)
             row["finite"] = bool(torch.isfinite(logits).all())
             ms = time_ms(step, device, rep_ms=300)
             flops = per_token * total + attention(batch.positions) + 2 * head_size * len(lens)
@@ -103,16 +108,25 @@ def prefill_rows(model, ops, weights, tokens, seq_len, block_size, device, ceili
     return rows
 
 
-def _compare_with_reference_ops(row, logits, step, model, ops, weights) -> None:
-    """The logits' relative error against the same step on the reference ops. Those hold each layer's attention
+def _compare_with_reference_ops(row, hidden, logits_rows, model, ops, weights) -> None:
+    """Against the same step on the reference ops: the relative error of the logits (each prompt's last token's)
+    and, token by token, of the final hidden state (median, largest, share of tokens above 0.1). One token's
+    logits move by tens of percent when a near-tie flips one of its expert or entry picks; the spread over the
+    tokens tells such flips from an error every token shares. The reference ops hold each layer's attention
     scores at once ([heads, tokens, entries] float32: 16 GiB at 8,192 tokens), so where the card lacks the room
     (an 80 GB H100 at 8,192 tokens) the row says there was no check, and the step is still timed."""
     from deepinfer_core.platform.kernel_ops import KernelOps
 
+    got = hidden()
+    logits = model.compute_logits(got[logits_rows])
     use_ops(model, fresh_ops(KernelOps, weights))
     try:
-        expected = step()
-        row["logits_rel_error_vs_reference_ops"] = float((logits - expected).norm() / expected.norm())
+        expected = hidden()
+        expected_logits = model.compute_logits(expected[logits_rows])
+        row["logits_rel_error_vs_reference_ops"] = float((logits - expected_logits).norm() / expected_logits.norm())
+        per_token = (got.float() - expected.float()).norm(dim=-1) / expected.float().norm(dim=-1)
+        row.update(hidden_rel_error_median=float(per_token.median()), hidden_rel_error_max=float(per_token.max()),
+                   hidden_tokens_over_0p1=float((per_token > 0.1).float().mean()))
     except torch.OutOfMemoryError as err:
         row["note"] = f"no reference check: the reference ops ran out of memory ({str(err).split('.')[0]})"
     finally:
@@ -139,7 +153,7 @@ def write_report(rows, ceilings, out: Path, name: str = "prefill") -> None:
     hf = {r["tokens"]: r["ms"] for r in rows if r["impl"] == "transformers" and "ms" in r}
     lines = [f"ceilings (measured): {ceilings.describe()}",
              f"{'impl':<13}{'weights':<11}{'tokens':>7}{'seqs':>5}{'step_ms':>10}{'tok/s':>10}{'GFLOP/tok':>10}"
-             f"{'TFLOP/s':>9}{'%mm':>6}{'hf_ms':>9}{'x_hf':>7}{'rel_err':>9}  error"]
+             f"{'TFLOP/s':>9}{'%mm':>6}{'hf_ms':>9}{'x_hf':>7}{'rel_err':>9}{'tok_med':>9}{'tok_max':>9}{'>0.1':>6}  error"]
     for r in rows:
         ms, ref = r.get("ms"), hf.get(r.get("tokens"))
         ratio = ref / ms if ms and ref and r["impl"] == "deepinfer" else None
@@ -148,7 +162,9 @@ def write_report(rows, ceilings, out: Path, name: str = "prefill") -> None:
             f"{cell(r.get('tokens_per_s'), '.0f'):>10}{cell(r.get('gflop_per_token'), '.2f'):>10}{cell(r.get('tflops'), '.1f'):>9}"
             f"{cell(r.get('matmul_fraction') and 100 * r['matmul_fraction'], '.1f'):>6}"
             f"{cell(ref if r['impl'] == 'deepinfer' else None, '.2f'):>9}{cell(ratio, '.2f'):>7}"
-            f"{cell(r.get('logits_rel_error_vs_reference_ops'), '.1e'):>9}  {r.get('error', r.get('note', ''))[:80]}"
+            f"{cell(r.get('logits_rel_error_vs_reference_ops'), '.1e'):>9}{cell(r.get('hidden_rel_error_median'), '.1e'):>9}"
+            f"{cell(r.get('hidden_rel_error_max'), '.1e'):>9}{cell(r.get('hidden_tokens_over_0p1'), '.1%'):>6}"
+            f"  {r.get('error', r.get('note', ''))[:80]}"
         )
     table = "\n".join(lines)
     (out / f"{name}.txt").write_text(table)
