@@ -46,3 +46,16 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     if want.numel() == 0:
         return 0.0 if got.numel() == 0 else float("inf")
     return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def held_in_one_stack(layer: torch.nn.Module) -> bool:
+    """Whether the layer's experts are consecutive slices of one tensor per projection that holds them alone
+    (as a grouped-GEMM backend reads them without a copy, and no expert the rank gave up stays allocated)."""
+    for proj in ("w1", "w3", "w2"):
+        tensors = [getattr(expert, proj).weight for expert in layer.experts.values()]
+        size = tensors[0].numel() * tensors[0].element_size()
+        if tensors[0].untyped_storage().nbytes() != len(tensors) * size:
+            return False
+        if [t.data_ptr() - tensors[0].data_ptr() for t in tensors] != [i * size for i in range(len(tensors))]:
+            return False
+    return True

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parallel_fixtures import SCORE_LAYER, random_moe, random_tokens, relative_error, tiny_config
+from parallel_fixtures import SCORE_LAYER, held_in_one_stack, random_moe, random_tokens, relative_error, tiny_config
 
 from deepinfer_core.distributed import (
     ExpertLoad,
@@ -69,6 +69,7 @@ def _skewed_layer_rebalanced(rank: int, world: int, redundant: int) -> dict:
         moe, 0, ExpertPlacement.contiguous(1, config.n_routed_experts, world), comm, load=load
     )
     first = layer(x[mine], ids[mine])
+    one_stack_before = held_in_one_stack(layer)
     observed = load.summed(comm)
     placement = ExpertPlacement.balanced(observed.expert_tokens, world, redundant)
     rebalance_experts([layer], placement)
@@ -81,6 +82,7 @@ def _skewed_layer_rebalanced(rank: int, world: int, redundant: int) -> dict:
         "unchanged": relative_error(second, first),
         "held": sorted(int(e) for e in layer.experts),
         "placed": sorted(placement.rank_experts(0, rank)),
+        "one_stack": (one_stack_before, held_in_one_stack(layer)),
     }
 
 
@@ -90,6 +92,7 @@ def test_rebalancing_a_skewed_layer_moves_weights_and_keeps_outputs(world: int, 
     before, after = results[0]["before"], results[0]["after"]
     print(f"ep={world} redundant={redundant}: max/mean tokens per rank {before:.3f} -> {after:.3f}")
     assert all(r["held"] == r["placed"] for r in results)
+    assert all(r["one_stack"] == (True, True) for r in results)  # held experts alone in one stack, before and after
     assert before > 1.5, "the synthetic load is not skewed enough to test balancing"
     assert after < 1.15
     assert max(r["error"] for r in results) <= TOLERANCE, results

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from deepinfer_core.models.deepseek_v4.moe import MoE
+from deepinfer_core.models.deepseek_v4.moe import MoE, share_one_storage
 from deepinfer_core.models.deepseek_v41.moe import MoE as MoEV41
 from deepinfer_core.models.deepseek_v41.moe import route as route_v41
 from deepinfer_core.platform.interfaces import Communicator
@@ -74,6 +74,8 @@ class ExpertParallelMoE(nn.Module):
                 f"without {missing}; build it with expert_filter=expert_filter(placement, rank) (or with all experts)"
             )
         self.experts = nn.ModuleDict({str(e): _expert(moe, e) for e in held})
+        if len(held) < len(moe.experts):  # built with every expert: the held ones in a stack of their own
+            share_one_storage(list(self.experts.values()))
         self.prescaled = isinstance(moe, MoEV41)
         self._no_experts: list[MlpWeights | None] = [None] * moe.config.n_routed_experts
         self.use_placement(placement)

@@ -14,6 +14,8 @@ import copy
 import torch
 from torch import nn
 
+from deepinfer_core.models.deepseek_v4.moe import share_one_storage
+
 from .ep_moe import ExpertParallelMoE
 from .errors import PlacementError
 from .expert_placement import ExpertPlacement
@@ -57,6 +59,8 @@ def _rebalance_layer(layer: ExpertParallelMoE, new: ExpertPlacement) -> None:
     layer.experts = nn.ModuleDict(
         {str(e): kept[e] if e in kept else arriving[e] for e in new.rank_experts(index, me)}
     )
+    if arriving or len(kept) < len(old_held[me]):  # one stack again: the old one goes with the experts given up
+        share_one_storage(list(layer.experts.values()))
     layer.use_placement(new)
 
 

@@ -71,11 +71,14 @@ class MoE(nn.Module):
 
 
 def share_one_storage(experts: list[Expert]) -> None:
-    """Re-point each held expert's tensors at slices of one stacked [E_held, N, K] tensor per projection.
+    """Re-point each expert's tensors at slices of one stacked [E, N, K] tensor per projection, their values
+    copied in.
 
     Names stay `experts.{e}.w1.weight` (the loader's in-place copy fills the stack), and grouped-GEMM
     kernels read the stack without copying it (a backend given experts in separate tensors stacks a copy:
-    twice the expert memory). Every model with routed experts calls it on the ones it holds.
+    twice the expert memory). Every model with routed experts calls it on the ones it holds, and expert
+    parallelism again when a rank's experts change: the stack then holds those alone, and the old one (with
+    the experts the rank gave up) is freed.
     """
     if not experts:
         return
@@ -86,5 +89,5 @@ def share_one_storage(experts: list[Expert]) -> None:
                 continue
             stack = torch.empty((len(experts), *first.shape), dtype=first.dtype, device=first.device)
             for i, expert in enumerate(experts):
+                stack[i].copy_(getattr(getattr(expert, proj), attr))
                 setattr(getattr(expert, proj), attr, nn.Parameter(stack[i], requires_grad=False))
-
