@@ -108,6 +108,10 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
                    partial(_indexer_scores_visible, ops, reference, seqs, entries, tiny))
     for name, fmt in (("fp4 pair order", FP4_PAIR_ORDER), ("fp4", FP4_SMALL_SCALES)):  # an expert's w1
         yield Case(f"weight decode {name} N={inter} K={hidden}", partial(_weight_decode, fmt, inter, hidden))
+    # the weight of a W8A16 projection on cuBLAS, widened to bf16: V4's 128 x 128 blocks, V4.1's 32 x 32
+    for n, k, block in ([(80, 64, (32, 32))] if tiny else [(32768, 1024, (128, 128)), (32768, 1280, (32, 32))]):
+        yield Case(f"dequantize_weight wq_b fp8 block={block[0]}x{block[1]} N={n} K={k}",
+                   partial(_dequantize_weight, ops, reference, n, k, block))
     for tokens in ([1, 21] if tiny else [1, 16, 64, 8192]):
         for fmt in ("bf16", "fp8", "fp8-a8", "fp4"):
             yield Case(f"fused_moe {fmt} T={tokens} E={experts} k={top_k}",
@@ -440,6 +444,14 @@ def _indexer_scores_visible(ops, reference, seqs, entries, tiny, gen, device):
 
     flops = 2 * seqs * heads * dim * entries
     return lambda: scores(ops), lambda: scores(reference), flops, 2 * seqs * entries * dim, 1e-5, False
+
+
+def _dequantize_weight(ops, reference, n, k, block, gen, device):
+    """fp8 block-scaled codes widened to bf16 against the reference's widening, bit for bit (tolerance 0)."""
+    weight, scale = quantize_fp8_block(torch.randn(n, k, device=device, generator=gen), block)
+    return (lambda: ops.dequantize_weight(weight, scale, block, torch.bfloat16),
+            lambda: reference.dequantize_weight(weight, scale, block, torch.bfloat16), 0,
+            3 * n * k + n * k // (block[0] * block[1]), 0.0, False)
 
 
 def _weight_decode(fmt, n, k, gen, device):
