@@ -3,8 +3,8 @@ DeepInfer (nvidia backend ops) beside transformers' DeepseekV4ForCausalLM, same 
 
 Each step is uncached prompts (context 0) of --seq-len tokens (fewer when the step is smaller), logits
 for the last token of each. Printed per row: step ms, tokens/s, model FLOPs per token, achieved TFLOP/s
-and its fraction of the measured bf16 matmul rate (fp8 rate for fp8/fp4 weights), transformers' time
-and the ratio; for the first size, the error against the reference ops (rel_err: the logits; tok_med /
+and its fraction of the measured bf16 matmul rate (fp8 rate for fp8/fp4 weights), the weight bytes the step
+reads and their fraction of the measured copy bandwidth, transformers' time and the ratio; for the first size, the error against the reference ops (rel_err: the logits; tok_med /
 tok_max / >0.1: each token's final hidden state, median, largest, share above 0.1). Written to $OUT (or
 --out): prefill.json, prefill.txt, prefill.png.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -26,8 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "kernels"), str(REPO / "backends" / "nvidia"), str(REPO / "scripts")]
 
 from bench_model import (  # noqa: E402
-    attention_flops, build_deepinfer, build_transformers, flash_slice_raw, fresh_ops, random_cache, setup, step_batch,
-    use_ops, weight_flops_per_token,
+    attention_flops, build_deepinfer, build_transformers, counting_experts, flash_slice_raw, fresh_ops, random_cache,
+    setup, step_batch, use_ops, weight_bytes, weight_flops_per_token,
 )
 from kernel_bench_common import cell, collect_rows, finish_plot, new_plot, recorded, sweep_ceilings, time_ms  # noqa: E402
 
@@ -39,14 +40,16 @@ def _ints(text: str) -> list[int]:
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments both prefill benchmarks take (`step_sizes` reads the sizes)."""
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--tokens", type=_ints, default=None, help="tokens per step (default 4096,8192,16384)")
+    parser.add_argument("--tokens", type=_ints, default=None,
+                        help="tokens per step (default 4096,8192,16384,32768,65536: a size the card cannot hold is an error row)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per prompt (default 8192)")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
 
 
 def step_sizes(args: argparse.Namespace) -> tuple[list[int], int]:
     """(tokens per step, tokens per prompt): the arguments, or the defaults of a GPU or a --tiny run."""
-    return args.tokens or ([24, 48] if args.tiny else [4096, 8192, 16384]), args.seq_len or (24 if args.tiny else 8192)
+    sweep = [24, 48] if args.tiny else [4096, 8192, 16384, 32768, 65536]
+    return args.tokens or sweep, args.seq_len or (24 if args.tiny else 8192)
 
 
 def main() -> None:
@@ -77,12 +80,16 @@ def _deepinfer_rows(tiny, weights, tokens, seq_len, device, ops, ceilings):
                         lambda positions: attention_flops(config, positions), config.hidden_size * config.vocab_size)
 
 
-def prefill_rows(model, ops, weights, tokens, seq_len, block_size, device, ceilings, make_cache, attention, head_size):
+def prefill_rows(model, ops, weights, tokens, seq_len, block_size, device, ceilings, make_cache, attention, head_size,
+                 moe_op="fused_moe"):
     """A row per step size in `tokens` (uncached prompts of seq_len, logits of each prompt's last token):
     step ms, tokens/s, FLOPs per token (weights, attention(positions), the LM head of head_size weights a
-    logit row) and their rate against the matmul ceiling of the weights' format; the first size's logits
-    against the reference ops. V4's and V4.1's benchmarks alike."""
+    logit row) and their rate against the matmul ceiling of the weights' format; the bytes of the weights the
+    step reads (the routed experts its routing touches, counted at `ops.<moe_op>`; activations and cache not
+    counted: a lower bound) and their rate against the copy ceiling; the first size's logits against the
+    reference ops. V4's and V4.1's benchmarks alike."""
     per_token = weight_flops_per_token(model)
+    routed = getattr(model.config, "text_config", model.config).n_routed_experts
     rate = ceilings.fp8_tflops if weights != "bf16" and ceilings.fp8_tflops else ceilings.bf16_tflops
     rows = []
     for total in tokens:
@@ -97,14 +104,17 @@ def prefill_rows(model, ops, weights, tokens, seq_len, block_size, device, ceili
             return model.compute_logits(hidden()[batch.logits_indices])
 
         with recorded(rows, {"impl": "deepinfer", "weights": weights, "tokens": total, "seqs": len(lens)}, device) as row:
-            logits = step()
+            with counting_experts(ops, moe_op) as touched:
+                logits = step()
+            nbytes = weight_bytes(model, statistics.mean(touched), routed)
             if total == tokens[0]:
                 _compare_with_reference_ops(row, hidden, batch.logits_indices, model, ops, weights)
             row["finite"] = bool(torch.isfinite(logits).all())
             ms = time_ms(step, device, rep_ms=300)
             flops = per_token * total + attention(batch.positions) + 2 * head_size * len(lens)
             row.update(ms=ms, tokens_per_s=total / ms * 1e3, gflop_per_token=flops / total / 1e9,
-                       tflops=flops / ms / 1e9, matmul_fraction=flops / ms / 1e9 / rate)
+                       tflops=flops / ms / 1e9, matmul_fraction=flops / ms / 1e9 / rate, gbytes=nbytes / 1e9,
+                       copy_fraction=nbytes / ms / 1e6 / ceilings.copy_gbps)
     return rows
 
 
@@ -153,7 +163,7 @@ def write_report(rows, ceilings, out: Path, name: str = "prefill") -> None:
     hf = {r["tokens"]: r["ms"] for r in rows if r["impl"] == "transformers" and "ms" in r}
     lines = [f"ceilings (measured): {ceilings.describe()}",
              f"{'impl':<13}{'weights':<11}{'tokens':>7}{'seqs':>5}{'step_ms':>10}{'tok/s':>10}{'GFLOP/tok':>10}"
-             f"{'TFLOP/s':>9}{'%mm':>6}{'hf_ms':>9}{'x_hf':>7}{'rel_err':>9}{'tok_med':>9}{'tok_max':>9}{'>0.1':>6}  error"]
+             f"{'TFLOP/s':>9}{'%mm':>6}{'GB':>7}{'%copy':>6}{'hf_ms':>9}{'x_hf':>7}{'rel_err':>9}{'tok_med':>9}{'tok_max':>9}{'>0.1':>6}  error"]
     for r in rows:
         ms, ref = r.get("ms"), hf.get(r.get("tokens"))
         ratio = ref / ms if ms and ref and r["impl"] == "deepinfer" else None
@@ -161,6 +171,7 @@ def write_report(rows, ceilings, out: Path, name: str = "prefill") -> None:
             f"{r['impl']:<13}{r['weights']:<11}{cell(r.get('tokens'), 'd'):>7}{cell(r.get('seqs'), 'd'):>5}{cell(ms, '.2f'):>10}"
             f"{cell(r.get('tokens_per_s'), '.0f'):>10}{cell(r.get('gflop_per_token'), '.2f'):>10}{cell(r.get('tflops'), '.1f'):>9}"
             f"{cell(r.get('matmul_fraction') and 100 * r['matmul_fraction'], '.1f'):>6}"
+            f"{cell(r.get('gbytes'), '.1f'):>7}{cell(r.get('copy_fraction') and 100 * r['copy_fraction'], '.1f'):>6}"
             f"{cell(ref if r['impl'] == 'deepinfer' else None, '.2f'):>9}{cell(ratio, '.2f'):>7}"
             f"{cell(r.get('logits_rel_error_vs_reference_ops'), '.1e'):>9}{cell(r.get('hidden_rel_error_median'), '.1e'):>9}"
             f"{cell(r.get('hidden_rel_error_max'), '.1e'):>9}{cell(r.get('hidden_tokens_over_0p1'), '.1%'):>6}"

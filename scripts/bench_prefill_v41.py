@@ -68,7 +68,8 @@ def main() -> None:
         model = build_model(config, model_ops, device)
         return prefill_rows(model, model_ops, weights, tokens, seq_len, BLOCK_SIZE, device, ceilings,
                             lambda batch: random_cache(config, batch, BLOCK_SIZE, device),
-                            lambda positions: attention_flops(config, positions), text.hidden_size * text.vocab_size)
+                            lambda positions: attention_flops(config, positions), text.hidden_size * text.vocab_size,
+                            moe_op="fused_moe_prescaled")
 
     write_report(collect_rows(args.weights.split(","), rows, None, device), ceilings, Path(args.out), "prefill_v41")
 
