@@ -93,6 +93,7 @@ def _deepinfer_rows(tiny, weights, batches, contexts, device, ops, ceilings):
     model, config = bench.model, bench.config
     block_size = 2 * max(config.compress_ratios)
     per_token = weight_flops_per_token(model) + 2 * config.hidden_size * config.vocab_size
+    rate = ceilings.fp8_tflops if weights != "bf16" and ceilings.fp8_tflops else ceilings.bf16_tflops
     rows = []
     for context in contexts:
         for size in batches:
@@ -125,7 +126,7 @@ def _deepinfer_rows(tiny, weights, batches, contexts, device, ops, ceilings):
                 row.update(ms=ms, steps_per_s=1e3 / ms, tokens_per_s=size * 1e3 / ms, tokens_per_s_per_request=1e3 / ms,
                            experts_touched=experts, uniform_floor_ms=uniform_ms,
                            gbytes=nbytes / 1e9, floor_ms=floor_ms, over_floor=ms / floor_ms,
-                           gflop_per_token=flops / size / 1e9)
+                           gflop_per_token=flops / size / 1e9, matmul_fraction=flops / ms / 1e9 / rate)
     return rows
 
 
@@ -167,7 +168,7 @@ def _report(rows, ceilings, out: Path) -> None:
     hf = {r["batch"]: r["ms"] for r in rows if r["impl"] == "transformers" and "ms" in r}
     lines = [f"ceilings (measured): {ceilings.describe()}",
              f"{'impl':<13}{'weights':<8}{'batch':>6}{'ctx':>6}{'step_ms':>9}{'steps/s':>9}{'tok/s':>9}{'tok/s/req':>10}"
-             f"{'experts':>8}{'GB/step':>8}{'floor_ms':>9}{'x_floor':>10}{'unif_ms':>8}{'GFLOP/tok':>10}{'hf_ms':>8}{'x_hf':>6}{'eager_ms':>9}"
+             f"{'experts':>8}{'GB/step':>8}{'floor_ms':>9}{'x_floor':>10}{'unif_ms':>8}{'GFLOP/tok':>10}{'%mm':>7}{'hf_ms':>8}{'x_hf':>6}{'eager_ms':>9}"
              f"{'graph_diff':>11}  error"]
     for r in rows:
         ms, ref = r.get("ms"), hf.get(r.get("batch")) if r["impl"] == "deepinfer" else None
@@ -176,7 +177,8 @@ def _report(rows, ceilings, out: Path) -> None:
             f"{cell(r.get('steps_per_s'), '.1f'):>9}{cell(r.get('tokens_per_s'), '.0f'):>9}{cell(r.get('tokens_per_s_per_request'), '.1f'):>10}"
             f"{cell(r.get('experts_touched'), '.1f'):>8}{cell(r.get('gbytes'), '.2f'):>8}{cell(r.get('floor_ms'), '.2f'):>9}"
             f"{cell(r.get('over_floor'), '.2f'):>10}{cell(r.get('uniform_floor_ms'), '.2f'):>8}"
-            f"{cell(r.get('gflop_per_token'), '.2f'):>10}{cell(ref, '.2f'):>8}{cell(ref / ms if ref and ms else None, '.2f'):>6}"
+            f"{cell(r.get('gflop_per_token'), '.2f'):>10}{cell(r.get('matmul_fraction') and 100 * r['matmul_fraction'], '.2f'):>7}"
+            f"{cell(ref, '.2f'):>8}{cell(ref / ms if ref and ms else None, '.2f'):>6}"
             f"{cell(r.get('eager_ms'), '.2f'):>9}{cell(r.get('graph_max_abs_diff'), '.2g'):>11}  {r.get('error', '')[:80]}"
         )
     lines.append("experts: distinct routed experts per MoE layer in this step's routing (mean), which floor_ms "
