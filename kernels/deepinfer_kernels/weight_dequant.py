@@ -38,7 +38,8 @@ def _dequantize_fp8_kernel(
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows < N)[:, None] & (cols < K)[None, :]
     codes = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
-    scales = tl.load(s_ptr + (rows // SCALE_BN)[:, None] * stride_sn + (cols // SCALE_BK)[None, :] * stride_sk, mask=mask, other=127)
+    scales = tl.load(s_ptr + (rows // SCALE_BN)[:, None] * stride_sn + (cols // SCALE_BK)[None, :] * stride_sk,
+                     mask=mask, other=127)
     values = codes.to(tl.float32) * _e8m0_factor(scales)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :],
              values.to(out_ptr.dtype.element_ty), mask=mask)
