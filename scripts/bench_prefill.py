@@ -4,9 +4,10 @@ DeepInfer (nvidia backend ops) beside transformers' DeepseekV4ForCausalLM, same 
 Each step is uncached prompts (context 0) of --seq-len tokens (fewer when the step is smaller), logits
 for the last token of each. Printed per row: step ms, tokens/s, model FLOPs per token, achieved TFLOP/s
 and its fraction of the measured bf16 matmul rate (fp8 rate for fp8/fp4 weights), the weight bytes the step
-reads and their fraction of the measured copy bandwidth, transformers' time and the ratio; for the first size, the error against the reference ops (rel_err: the logits; tok_med /
-tok_max / >0.1: each token's final hidden state, median, largest, share above 0.1). Written to $OUT (or
---out): prefill.json, prefill.txt, prefill.png.
+reads and their fraction of the measured copy bandwidth, transformers' time and the ratio; for the first
+size, the error against the reference ops (rel_err: the logits; tok_med / tok_max / >0.1: each token's final
+hidden state, median, largest, share above 0.1). Written to $OUT (or --out): prefill.json, prefill.txt,
+prefill.png.
 
 GPU:  python3 scripts/bench_prefill.py
 CPU:  python3 scripts/bench_prefill.py --tiny
@@ -40,8 +41,8 @@ def _ints(text: str) -> list[int]:
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments both prefill benchmarks take (`step_sizes` reads the sizes)."""
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--tokens", type=_ints, default=None,
-                        help="tokens per step (default 4096,8192,16384,32768,65536: a size the card cannot hold is an error row)")
+    parser.add_argument("--tokens", type=_ints, default=None, help="tokens per step (default 4096,8192,16384,"
+                        "32768,65536: a size the card cannot hold is an error row)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per prompt (default 8192)")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
 
