@@ -193,7 +193,7 @@ def apply_expert_parallel(
     """Replace every block's MoE by its expert-parallel form, in place; returns the new layers.
 
     Call after building the model (with or without `expert_filter(placement, rank)`; experts this rank
-    does not hold are dropped here) and before `load_model_weights(..., expert_filter=...)`.
+    does not hold are dropped here, their memory with them) and before `load_model_weights(..., expert_filter=...)`.
     """
     blocks = moe_layers(model)
     if placement.num_layers != len(blocks):
