@@ -29,7 +29,7 @@ def _assert_one_storage_per_projection(model: torch.nn.Module) -> int:
             step = first.numel() * first.element_size()
             assert all(t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for t in tensors), field
             assert [t.data_ptr() - first.data_ptr() for t in tensors] == [i * step for i in range(len(tensors))], field
-        stack = TritonOps()._stack([m for m in mlps], torch.device("cpu"))
+        stack = TritonOps()._stack(mlps, torch.device("cpu"))
         assert stack.w1.data_ptr() == mlps[0].w1.data_ptr() and stack.w2.data_ptr() == mlps[0].w2.data_ptr()
         layers += 1
     return layers

@@ -123,7 +123,15 @@ class KernelOps:
         """A projection's weight, stored as `linear` takes it, as `dtype` [N, K]: what `linear` and
         `grouped_linear` multiply by. Exact (an fp8 or fp4 code times a power of two is representable in
         float32 and bfloat16 alike); a backend's version must give the same bits."""
-        return _dequantized(weight, scale, block, dtype)
+        if weight.dtype == torch.float8_e4m3fn:
+            from deepinfer_core.quantization import dequantize_fp8_block
+
+            return dequantize_fp8_block(weight, scale, block, dtype)
+        if weight.dtype == torch.int8:
+            from deepinfer_core.quantization import dequantize_fp4
+
+            return dequantize_fp4(weight, scale, dtype)
+        return weight.to(dtype)
 
     def _activations(self, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
         """x as the projection meets it: rounded to fp8 for an fp8 weight under `fp8_activations`."""
@@ -883,20 +891,6 @@ class KernelOps:
             scale = scales.float()
         block = values.shape[-1] // scales.shape[-1]
         return (values.unflatten(-1, (-1, block)) * scale.unsqueeze(-1)).flatten(-2).to(dtype)
-
-
-def _dequantized(
-    weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None, dtype: torch.dtype
-) -> torch.Tensor:
-    if weight.dtype == torch.float8_e4m3fn:
-        from deepinfer_core.quantization import dequantize_fp8_block
-
-        return dequantize_fp8_block(weight, scale, block, dtype)
-    if weight.dtype == torch.int8:
-        from deepinfer_core.quantization import dequantize_fp4
-
-        return dequantize_fp4(weight, scale, dtype)
-    return weight.to(dtype)
 
 
 def _stored(
