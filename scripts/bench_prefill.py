@@ -106,10 +106,11 @@ def prefill_rows(model, ops, weights, tokens, seq_len, block_size, device, ceili
 
         with recorded(rows, {"impl": "deepinfer", "weights": weights, "tokens": total, "seqs": len(lens)}, device) as row:
             with counting_experts(ops, moe_op) as touched:
-                logits = step()
+                got = hidden()
+            logits = model.compute_logits(got[batch.logits_indices])
             nbytes = weight_bytes(model, statistics.mean(touched), routed)
             if total == tokens[0]:
-                _compare_with_reference_ops(row, hidden, batch.logits_indices, model, ops, weights)
+                _compare_with_reference_ops(row, got, logits, hidden, batch.logits_indices, model, ops, weights)
             row["finite"] = bool(torch.isfinite(logits).all())
             ms = time_ms(step, device, rep_ms=300)
             flops = per_token * total + attention(batch.positions) + 2 * head_size * len(lens)
@@ -119,17 +120,15 @@ def prefill_rows(model, ops, weights, tokens, seq_len, block_size, device, ceili
     return rows
 
 
-def _compare_with_reference_ops(row, hidden, logits_rows, model, ops, weights) -> None:
-    """Against the same step on the reference ops: the relative error of the logits (each prompt's last token's)
-    and, token by token, of the final hidden state (median, largest, share of tokens above 0.1). One token's
-    logits move by tens of percent when a near-tie flips one of its expert or entry picks; the spread over the
+def _compare_with_reference_ops(row, got, logits, hidden, logits_rows, model, ops, weights) -> None:
+    """`got` (the step's final hidden states) and `logits` (each prompt's last token's) against the same step,
+    hidden(), on the reference ops: the relative error of the logits and, token by token, of the final hidden
+    state (median, largest, share of tokens above 0.1). One token's logits move by tens of percent when a near-tie flips one of its expert or entry picks; the spread over the
     tokens tells such flips from an error every token shares. The reference ops hold each layer's attention
     scores at once ([heads, tokens, entries] float32: 16 GiB at 8,192 tokens), so where the card lacks the room
     (an 80 GB H100 at 8,192 tokens) the row says there was no check, and the step is still timed."""
     from deepinfer_core.platform.kernel_ops import KernelOps
 
-    got = hidden()
-    logits = model.compute_logits(got[logits_rows])
     use_ops(model, fresh_ops(KernelOps, weights))
     try:
         expected = hidden()
