@@ -112,6 +112,10 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
     for n, k, block in ([(80, 64, (32, 32))] if tiny else [(32768, 1024, (128, 128)), (32768, 1280, (32, 32))]):
         yield Case(f"dequantize_weight wq_b fp8 block={block[0]}x{block[1]} N={n} K={k}",
                    partial(_dequantize_weight, ops, reference, n, k, block))
+    # the x of a W8A8 projection on cuBLAS (V4.1's 32 x 32 blocks), rounded to its fp8 values: V4.1's wq_a input
+    rows, k = (21, 64) if tiny else (8192, 5120)
+    yield Case(f"fake_quantize_activations fp8 group=32 M={rows} K={k}",
+               partial(_fake_quantize_activations, ops, reference, rows, k))
     for tokens in ([1, 21] if tiny else [1, 16, 64, 8192]):
         for fmt in ("bf16", "fp8", "fp8-a8", "fp4"):
             yield Case(f"fused_moe {fmt} T={tokens} E={experts} k={top_k}",
@@ -452,6 +456,17 @@ def _dequantize_weight(ops, reference, n, k, block, gen, device):
     return (lambda: ops.dequantize_weight(weight, scale, block, torch.bfloat16),
             lambda: reference.dequantize_weight(weight, scale, block, torch.bfloat16), 0,
             3 * n * k + n * k // (block[0] * block[1]), 0.0, False)
+
+
+def _fake_quantize_activations(ops, reference, rows, k, gen, device):
+    """x rounded to fp8 per row and 32 columns, in bf16, against the reference rounding, bit for bit (tolerance 0);
+    rows over 40 binades."""
+    x = torch.randn(rows, k, device=device, generator=gen)
+    x = (x * torch.exp2(torch.randint(-20, 20, (rows, 1), device=device, generator=gen).float())).to(torch.bfloat16)
+    weight, _ = quantize_fp8_block(torch.randn(64, k, device=device, generator=gen), (32, 32))
+    ops, reference = fresh_ops(type(ops), "fp8-a8"), fresh_ops(type(reference), "fp8-a8")
+    return (lambda: ops.fake_quantize_activations(x, weight, (32, 32)),
+            lambda: reference.fake_quantize_activations(x, weight, (32, 32)), 0, 4 * rows * k, 0.0, False)
 
 
 def _weight_decode(fmt, n, k, gen, device):

@@ -14,7 +14,9 @@ import torch
 from deepinfer_core.platform.kernel_ops import KernelOps
 from deepinfer_core.quantization import quantize_fp4, quantize_fp8_block
 from deepinfer_nvidia.block_scaled_mm import block_scaled_supported
-from deepinfer_nvidia.ops import CUBLAS_ROWS, CUBLAS_W8A16_ROWS, TritonOps
+from deepinfer_nvidia.ops import (
+    CUBLAS_FLOAT32_ROWS, CUBLAS_ROWS, CUBLAS_W8A8_WIDENED_ROWS, CUBLAS_W8A16_ROWS, TritonOps,
+)
 
 
 def _fp8_weight(n: int, k: int, gen: torch.Generator):
@@ -40,12 +42,12 @@ def test_prefill_sized_projections_of_unquantised_x_are_the_reference_op(fmt):
                             "fp8": (*quantize_fp8_block(w, (32, 64)), (32, 64)), "fp4": (*quantize_fp4(w), None)}[fmt]
     ops, reference = TritonOps(), KernelOps()
     on_cublas = fmt != "fp4"
-    assert ops._dense_on_cublas(x, weight, rows) == on_cublas
+    assert ops._dense_on_cublas(x, weight, block, rows) == on_cublas
     if on_cublas:
         assert torch.equal(ops.linear(x, weight, scale, block), reference.linear(x, weight, scale, block))
-    assert not ops._dense_on_cublas(x, weight, rows // 2 if fmt != "dense" else rows - 1)
+    assert not ops._dense_on_cublas(x, weight, block, rows - 1)
     ops.batch_invariant = True
-    assert not ops._dense_on_cublas(x, weight, rows)
+    assert not ops._dense_on_cublas(x, weight, block, rows)
     if fmt == "dense":
         grouped = x.view(rows, 2, 128)
         assert torch.equal(TritonOps().grouped_linear(grouped, weight[:, :128]),
@@ -77,6 +79,36 @@ def test_w8a8_of_prefill_size_goes_to_the_block_scaled_gemm(monkeypatch):
     ops.batch_invariant = True
     ops.linear(x, weight, scale, (128, 128))
     assert len(calls) == 1
+
+
+def test_w8a8_of_prefill_size_in_small_blocks_is_the_reference_op(monkeypatch):
+    """Weight blocks the block-scaled GEMM does not take (V4.1's 32 x 32), from `CUBLAS_W8A8_WIDENED_ROWS`: x rounded
+    to its fp8 values (the backend's `fake_quantize_activations`), the weight widened, one bf16 product: the reference
+    W8A8's bits; 128 x 128 blocks the block-scaled GEMM takes stay off this path."""
+    gen = torch.Generator().manual_seed(4)
+    rows = CUBLAS_W8A8_WIDENED_ROWS
+    x = (torch.randn(rows, 64, generator=gen) * 3).to(torch.bfloat16)
+    weight, scale = quantize_fp8_block(torch.randn(96, 64, generator=gen) / 8, (32, 32))
+    ops, reference = _w8a8(TritonOps), _w8a8(KernelOps)
+    assert ops._dense_on_cublas(x, weight, (32, 32), rows)
+    assert not ops._dense_on_cublas(x, weight, (32, 32), rows - 1)
+    assert torch.equal(ops.linear(x, weight, scale, (32, 32)), reference.linear(x, weight, scale, (32, 32)))
+    monkeypatch.setattr(ops, "_block_scaled_supported", lambda *args: True)
+    assert not ops._dense_on_cublas(x, weight, (128, 128), rows)
+
+
+def test_float32_x_of_prefill_size_is_the_reference_op():
+    """V4.1's compressor projects a float32 x by a bf16 weight: from `CUBLAS_FLOAT32_ROWS` the reference's float32
+    product (not in batch-invariant mode)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(CUBLAS_FLOAT32_ROWS, 64, generator=gen)
+    weight = (torch.randn(48, 64, generator=gen) / 8).to(torch.bfloat16)
+    ops = TritonOps()
+    assert ops._dense_on_cublas(x, weight, None, CUBLAS_FLOAT32_ROWS)
+    assert torch.equal(ops.linear(x, weight), KernelOps().linear(x, weight))
+    assert not ops._dense_on_cublas(x, weight, None, CUBLAS_FLOAT32_ROWS - 1)
+    ops.batch_invariant = True
+    assert not ops._dense_on_cublas(x, weight, None, CUBLAS_FLOAT32_ROWS)
 
 
 def test_only_whole_128_blocks_on_a_device_that_has_it():

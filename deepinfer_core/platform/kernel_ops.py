@@ -98,7 +98,7 @@ class KernelOps:
         Tolerance: float32 1e-5 relative, bfloat16 1e-2 relative (accumulation order).
         """
         w = self.dequantize_weight(weight, scale, block, x.dtype)
-        return torch.nn.functional.linear(self._activations(x, weight, block), w)
+        return torch.nn.functional.linear(self.fake_quantize_activations(x, weight, block), w)
 
     @row_tiled("x")
     def grouped_linear(
@@ -115,7 +115,8 @@ class KernelOps:
         """
         groups = x.shape[1]
         w = self.dequantize_weight(weight, scale, block, x.dtype).view(groups, -1, x.shape[-1])
-        return torch.bmm(self._activations(x, weight, block).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+        x = self.fake_quantize_activations(x, weight, block)
+        return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
 
     def dequantize_weight(
         self, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None, dtype: torch.dtype
@@ -133,8 +134,14 @@ class KernelOps:
             return dequantize_fp4(weight, scale, dtype)
         return weight.to(dtype)
 
-    def _activations(self, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
-        """x as the projection meets it: rounded to fp8 for an fp8 weight under `fp8_activations`."""
+    def fake_quantize_activations(
+        self, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None
+    ) -> torch.Tensor:
+        """x [..., K] as a projection by `weight` meets it (what `linear` and `grouped_linear` multiply): under
+        `fp8_activations`, x meeting an fp8 weight of K blocks of `block[1]` columns is rounded to fp8,
+        `quantization.fake_quantize_fp8_activations`, in x.dtype; otherwise x itself.
+        Exact (e4m3 values times powers of two fit bfloat16 and float32); a backend's version must give the
+        same bits."""
         if not (self.fp8_activations and weight.dtype == torch.float8_e4m3fn):
             return x
         from deepinfer_core.quantization import fake_quantize_fp8_activations

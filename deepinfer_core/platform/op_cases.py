@@ -297,6 +297,17 @@ def _weight_dequant_inputs(gen, dt):
     return (weight, exponents.view(torch.float8_e8m0fnu), block, dt), {}
 
 
+def _activation_fake_quant_inputs(gen, dt):
+    """x [2, 9, 80] over 40 binades (a scale a row), one row of tiny values under the amax floor, meeting an fp8
+    weight of 32-column K blocks (the last cut short)."""
+    from deepinfer_core.quantization import quantize_fp8_block
+
+    x = _randn(gen, 2, 9, 80) * torch.exp2(torch.randint(-20, 20, (2, 9, 1), generator=gen).float())
+    x[1, 4] *= 1e-9
+    weight, _ = quantize_fp8_block(_randn(gen, 64, 80), (32, 32))
+    return (x.to(dt), weight, (32, 32)), {}
+
+
 # Attention / MoE-sized reductions: bf16 rounding of each product and of the outputs.
 _WIDE_RTOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 _WIDE_ATOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
@@ -641,4 +652,5 @@ OP_CASES += [
     OpCase("fp4_block_quantize", "paged_rows", lambda g, dt: _v41_paged_write_inputs(g, dt, "fp4")),
     # exact: a code times a power of two, compared bit for bit
     OpCase("dequantize_weight", "fp8_block", _weight_dequant_inputs),
+    OpCase("fake_quantize_activations", "fp8_block", _activation_fake_quant_inputs, modes={"fp8_activations": True}),
 ]

@@ -6,7 +6,9 @@ even: `quantization.fake_quantize_fp8_activations`, bit for bit. The rounding is
 and add arithmetic (no reliance on the float-to-fp8 conversion's rounding mode, which Triton's CPU
 interpreter gets wrong near powers of two), so the final cast only converts exact values.
 
-One pass writes the codes and scales; the GEMMs then stream fp8 tiles straight into the fp8 tensor cores.
+One pass writes the codes and scales; the GEMMs then stream fp8 tiles straight into the fp8 tensor cores. Or it
+writes the rounded values themselves in x's dtype (`fake_quantize_fp8_rows`), for a product that multiplies
+them in bf16 on cuBLAS: exactly the W8A8 product, for weight blocks no fp8 GEMM at hand takes.
 """
 
 from __future__ import annotations
@@ -17,13 +19,21 @@ import triton.language as tl
 
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 
-__all__ = ["fp8_activation_tiles_supported", "quantize_fp8_rows"]
+__all__ = ["fake_quantize_fp8_rows", "fake_quantize_supported", "fp8_activation_tiles_supported", "quantize_fp8_rows"]
 
 
 def fp8_activation_tiles_supported(block: tuple[int, int] | None) -> bool:
     """A GEMM's K tile must be the weight's K block (one scale per tile for x and W): a power of two
     from 32 (the fp8 MMA's K) to 128 (the kernels' longest fp8 K tile)."""
     return block is not None and block[1] in (32, 64, 128)
+
+
+def fake_quantize_supported(x: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """`fake_quantize_fp8_rows` takes x of unit column stride in float32 / bf16 / fp16, in K groups of a power
+    of two from 16 to 256 columns."""
+    group = block[1] if block is not None else 0
+    return (x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.stride(-1) == 1
+            and 16 <= group <= 256 and group & (group - 1) == 0)
 
 
 @triton.jit
@@ -47,8 +57,9 @@ def _round_to_e4m3(v):
 @triton.jit
 def _quantize_rows_kernel(
     x_ptr, codes_ptr, scales_ptr, M, K, stride_xm, stride_cm, stride_sm,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, FAKE: tl.constexpr, PDL: tl.constexpr,
 ):
+    """FAKE: codes_ptr takes the rounded values times their scale (exact in bf16 and float32), no scales."""
     wait_for_previous_grid(PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     group = tl.program_id(1)
@@ -60,9 +71,12 @@ def _quantize_rows_kernel(
     bits = amax.to(tl.int32, bitcast=True)
     # amax = m * 2^p with 1 <= m < 2, and 448 = 1.75 * 2^8: e = p - 8, or p - 7 when m > 1.75
     exponent = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    codes = _round_to_e4m3(x * _pow2(-exponent)[:, None]).to(codes_ptr.dtype.element_ty)
-    tl.store(codes_ptr + rows * stride_cm + offs_k[None, :], codes, mask=mask)
-    tl.store(scales_ptr + offs_m.to(tl.int64) * stride_sm + group, _pow2(exponent), mask=offs_m < M)
+    rounded = _round_to_e4m3(x * _pow2(-exponent)[:, None])
+    if FAKE:
+        rounded = rounded * _pow2(exponent)[:, None]
+    tl.store(codes_ptr + rows * stride_cm + offs_k[None, :], rounded.to(codes_ptr.dtype.element_ty), mask=mask)
+    if not FAKE:
+        tl.store(scales_ptr + offs_m.to(tl.int64) * stride_sm + group, _pow2(exponent), mask=offs_m < M)
 
 
 def quantize_fp8_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,9 +85,22 @@ def quantize_fp8_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
     rows, cols = x.shape
     codes = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((rows, triton.cdiv(cols, group)), dtype=torch.float32, device=x.device)
-    block_m = 16
-    _quantize_rows_kernel[(triton.cdiv(rows, block_m), scales.shape[1])](
-        x, codes, scales, rows, cols, x.stride(0), codes.stride(0), scales.stride(0),
-        GROUP=group, BLOCK_M=block_m, num_warps=4, **launch_options(x.device),
-    )
+    _launch(x, codes, scales, group, fake=False)
     return codes, scales
+
+
+def fake_quantize_fp8_rows(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] (row stride free, unit column stride) rounded as `quantize_fp8_rows` rounds it, in x's dtype
+    [M, K]: `quantization.fake_quantize_fp8_activations`, bit for bit."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, out, out, group, fake=True)
+    return out
+
+
+def _launch(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, group: int, fake: bool) -> None:
+    rows, cols = x.shape
+    block_m = 16
+    _quantize_rows_kernel[(triton.cdiv(rows, block_m), triton.cdiv(cols, group))](
+        x, out, scales, rows, cols, x.stride(0), out.stride(0), scales.stride(0),
+        GROUP=group, BLOCK_M=block_m, FAKE=fake, num_warps=4, **launch_options(x.device),
+    )

@@ -33,12 +33,23 @@ ROUTER_TRITON_ROWS = 16
 # run and 1.93 in another at 8,192 rows (eight products and their scale layouts launched from the host),
 # against Triton's 1.1.
 CUBLAS_ROWS = 1024
-# An fp8 weight meeting x unquantised (W8A16) from this many rows: the reference op, which widens the weight to
-# x's dtype and multiplies on cuBLAS, beat the Triton tiles from 4,096 rows (H100: wq_b 0.67 against 1.15 ms;
-# at 1,024 rows 0.40 against 0.31), measured with the reference's float32 widening, before `dequantize_weight`
-# widened in one pass. fp4 weights stay on the Triton tiles: widening them cost more than it
-# saved at every size measured (wq_b 1.66 against 1.43 ms at 8,192 rows).
-CUBLAS_W8A16_ROWS = 4096
+# An fp8 weight meeting x unquantised (W8A16) from this many rows: the reference op, its weight widened in one pass
+# (`dequantize_weight`), then cuBLAS's bf16 GEMM. H100, the Triton tiles' time over it (BENCHMARKS.md): V4's wq_b
+# (128 x 128 blocks) 0.63 / 1.08 / 1.71 / 2.23 at 128 / 256 / 512 / 1,024 rows, V4.1's wq_b (32 x 32) 0.51 / 0.89 /
+# 1.48 / 1.93, V4.1's wo_b 0.75 / 1.15 / 2.07 / 2.21. fp4 weights stay on the Triton tiles: widening them cost more
+# than it saved at every size measured (wq_b 1.66 against 1.43 ms at 8,192 rows).
+CUBLAS_W8A16_ROWS = 512
+# Under fp8 activations, an fp8 weight in blocks cuBLAS's block-scaled GEMM does not take (V4.1's 32 x 32) from this
+# many rows: the reference op as above, x rounded to its fp8 values in bf16 (`fake_quantize_activations`), the
+# W8A8 product exactly at the bf16 rate. H100, the Triton W8A8 tiles' time over it: wq_b 0.85 / 1.36 / 2.68 at
+# 128 / 256 / 1,024 rows, wo_b 2.58 / 1.93 / 3.46, wq_a 1.45 / 1.45 / 2.44.
+CUBLAS_W8A8_WIDENED_ROWS = 256
+# A float32 x meeting a dense weight (V4.1's ratio-2 compressor) from this many rows: the reference op (the weight
+# widened to float32, cuBLAS's float32 GEMM). The Triton tiles take it in IEEE float32 MMAs: H100, the
+# compressor's kv and gate at 64 / 128 / 2,048 / 8,192 rows 0.082 / 1.81 / 21.6 / 3.97 ms against 0.054 / 0.068 /
+# 0.46 / 1.68. Up to `linear.FLOAT32_ROW_TILES` rows (16) the one-row tiles take it, faster (0.035 against
+# 0.069 ms at 16 rows); 17 to 63 rows were not measured.
+CUBLAS_FLOAT32_ROWS = 64
 
 
 class TritonOps(KernelOps):
@@ -56,8 +67,9 @@ class TritonOps(KernelOps):
     def __init__(self) -> None:
         from deepinfer_nvidia import block_scaled_mm
         from deepinfer_kernels import (
-            cache_writes, compress_kv, engram_gate, engram_hash, fused_moe, hyper_connection, indexer, indexer_scores,
-            kv_codes, linear, paging, rms_norm, rope, routing, row_gather, sparse_attention, weight_dequant,
+            activation_quant, cache_writes, compress_kv, engram_gate, engram_hash, fused_moe, hyper_connection, indexer,
+            indexer_scores, kv_codes, linear, paging, rms_norm, rope, routing, row_gather, sparse_attention,
+            weight_dequant,
         )
 
         self._rms_norm = rms_norm.rms_norm
@@ -67,6 +79,8 @@ class TritonOps(KernelOps):
         self._grouped_linear = linear.grouped_linear
         self._dequantize_fp8_weight = weight_dequant.dequantize_fp8_weight
         self._fp8_weight_supported = weight_dequant.fp8_weight_supported
+        self._fake_quantize_rows = activation_quant.fake_quantize_fp8_rows
+        self._fake_quantize_supported = activation_quant.fake_quantize_supported
         self._block_scaled_mm = block_scaled_mm.block_scaled_mm
         self._block_scaled_supported = block_scaled_mm.block_scaled_supported
         self._moe_routed = fused_moe.moe_routed
@@ -122,7 +136,7 @@ class TritonOps(KernelOps):
         if not self._linear_supported(weight, block, self.fp8_activations):
             return super().linear(x, weight, scale, block)
         rows = x.numel() // x.shape[-1]
-        if self._dense_on_cublas(x, weight, rows):
+        if self._dense_on_cublas(x, weight, block, rows):
             return super().linear(x, weight, scale, block)
         if self._block_scaled_on_cublas(x, weight, block, rows):
             return self._block_scaled_mm(x.reshape(rows, -1), weight, scale).view(*x.shape[:-1], weight.shape[0])
@@ -141,7 +155,7 @@ class TritonOps(KernelOps):
         # Fallback: what `linear` refuses, and fp8 groups that would split a scale block.
         if not self._linear_supported(weight, block, self.fp8_activations) or (block is not None and rows % block[0]):
             return super().grouped_linear(x, weight, scale, block)
-        if self._dense_on_cublas(x, weight, x.shape[0]):
+        if self._dense_on_cublas(x, weight, block, x.shape[0]):
             return super().grouped_linear(x, weight, scale, block)
         return self._grouped_linear(
             x, weight, scale, block, self.batch_invariant, self._num_sms(x.device), self.fp8_activations
@@ -155,15 +169,34 @@ class TritonOps(KernelOps):
             return super().dequantize_weight(weight, scale, block, dtype)
         return self._dequantize_fp8_weight(weight, scale, block, dtype)
 
-    def _dense_on_cublas(self, x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
-        """Whether a projection of `rows` rows of a half-precision x runs as the reference op does, on cuBLAS:
-        a dense weight in x's dtype from `CUBLAS_ROWS` (H100, 8,192 rows: wq_b 0.83 against 1.11 ms, wo_b 0.77
-        against 1.03, the grouped wo_a 0.84 against 1.09), an fp8 weight meeting x unquantised from
-        `CUBLAS_W8A16_ROWS`. Not in batch-invariant mode, where cuBLAS would pick its kernel by the row count."""
-        if self.batch_invariant or x.dtype not in (torch.bfloat16, torch.float16):
+    def fake_quantize_activations(
+        self, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None
+    ) -> torch.Tensor:
+        # Fallback: x not rounded (no fp8_activations, or a weight that is not fp8), odd K blocks or strides.
+        if not (self.fp8_activations and weight.dtype == torch.float8_e4m3fn
+                and self._fake_quantize_supported(x, block)):
+            return super().fake_quantize_activations(x, weight, block)
+        return self._fake_quantize_rows(x.reshape(-1, x.shape[-1]), block[1]).view(x.shape)
+
+    def _dense_on_cublas(self, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None,
+                         rows: int) -> bool:
+        """Whether a projection of `rows` rows runs as the reference op does, on cuBLAS: a half-precision x
+        meeting a dense weight in its dtype from `CUBLAS_ROWS` (H100, 8,192 rows: wq_b 0.83 against 1.11 ms,
+        wo_b 0.77 against 1.03, the grouped wo_a 0.84 against 1.09); an fp8 weight meeting x unquantised from
+        `CUBLAS_W8A16_ROWS`, or under `fp8_activations` in blocks `block_scaled_mm` does not take (V4.1's
+        32 x 32) from `CUBLAS_W8A8_WIDENED_ROWS`, x then rounded to its fp8 values in x's dtype: the W8A8
+        product exactly, at the bf16 rate; a float32 x meeting a dense weight from `CUBLAS_FLOAT32_ROWS`. Not in
+        batch-invariant mode, where cuBLAS would pick its kernel by the row count."""
+        if self.batch_invariant:
             return False
+        if x.dtype == torch.float32:
+            return weight.dtype in (torch.bfloat16, torch.float16, torch.float32) and rows >= CUBLAS_FLOAT32_ROWS
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        if weight.dtype == torch.float8_e4m3fn and not self.fp8_activations:
+            return rows >= CUBLAS_W8A16_ROWS
         if weight.dtype == torch.float8_e4m3fn:
-            return not self.fp8_activations and rows >= CUBLAS_W8A16_ROWS
+            return rows >= CUBLAS_W8A8_WIDENED_ROWS and not self._block_scaled_supported(x, weight, block, rows)
         return weight.dtype == x.dtype and rows >= CUBLAS_ROWS
 
     def _block_scaled_on_cublas(self, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None,
