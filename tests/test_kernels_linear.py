@@ -10,7 +10,7 @@ from kernel_checks import assert_matches
 
 from deepinfer_core.platform.kernel_ops import KernelOps
 from deepinfer_core.quantization import quantize_fp4, quantize_fp8_block
-from deepinfer_kernels.linear import grouped_linear, linear, linear_supported, split_k
+from deepinfer_kernels.linear import FP8_MMA_BLOCK_KS, grouped_linear, linear, linear_supported, split_k
 from deepinfer_nvidia.ops import TritonOps
 
 # Same dequantised weights on both sides (power-of-two scales are exact), so only the float32
@@ -105,39 +105,59 @@ def test_float32_output_holds_the_product_rounded_to_x(num_sms):
     assert not torch.equal(wide, x.float() @ weight.float().T)
 
 
-def test_fp8_activations_refuse_a_wider_output():
+def test_fp8_mma_tiles_refuse_a_wider_output():
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(2, 128, generator=gen).to(torch.bfloat16)
-    weight, scale, _ = _weight("fp8", 64, 128, gen, torch.bfloat16)
+    block = (32, FP8_MMA_BLOCK_KS[-1])
+    weight, scale = quantize_fp8_block(torch.randn(64, 128, generator=gen) / 8, block)
     with pytest.raises(ValueError, match="fp8 activations"):
-        linear(x, weight, scale, (32, 64), fp8_activations=True, out_dtype=torch.float32)
+        linear(x, weight, scale, block, fp8_activations=True, out_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("block", [(32, 128), (32, 64), (32, 32)], ids=["fp8-mma-128", "fp8-mma-64", "x-rounded"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,splits", [(6, None), (70, None), (3, 132)])
-def test_fp8_activations_match_the_reference_rounding(dtype, m, splits):
-    """W8A8: the kernel quantises x per row and K block in registers; the reference rounds x the same
-    way and dequantises, so float32 differs only by summation order (a flipped fp8 code would not)."""
+def test_fp8_activations_match_the_reference_rounding(block, dtype, m, splits):
+    """W8A8: K blocks of FP8_MMA_BLOCK_KS meet x's fp8 codes on the fp8 MMAs, other K blocks x rounded to its fp8
+    values on the W8A16 tiles; the reference rounds x the same way and dequantises, so float32 differs only by
+    summation order (a flipped fp8 code would not). K = 192 ends in a partial block."""
     from test_quantization import fp8_activation_rows
 
     gen = torch.Generator().manual_seed(m)
     x = fp8_activation_rows(m)[:, :192].repeat(m // 6 + 1, 1)[:m].to(dtype)
-    w = torch.randn(70, 192, generator=gen) / 8
-    weight, scale = quantize_fp8_block(w, (32, 64))
+    weight, scale = quantize_fp8_block(torch.randn(70, 192, generator=gen) / 8, block)
     reference = KernelOps()
     reference.fp8_activations = True
-    assert linear_supported(weight, (32, 64), fp8_activations=True)
-    out = linear(x, weight, scale, (32, 64), num_sms=splits, fp8_activations=True)
-    assert_matches(out, reference.linear(x, weight, scale, (32, 64)), TOLERANCE[dtype])
+    assert linear_supported(weight, block, fp8_activations=True)
+    out = linear(x, weight, scale, block, num_sms=splits, fp8_activations=True)
+    assert_matches(out, reference.linear(x, weight, scale, block), TOLERANCE[dtype])
     # a different answer from the W8A16 path: the activations really were rounded
-    assert not torch.allclose(out.float(), KernelOps().linear(x, weight, scale, (32, 64)).float(), rtol=1e-3, atol=0)
+    assert not torch.allclose(out.float(), KernelOps().linear(x, weight, scale, block).float(), rtol=1e-3, atol=0)
 
 
-def test_fp8_activations_refuse_blocks_the_tiles_cannot_match():
-    weight = torch.randn(48, 512).to(torch.float8_e4m3fn)
-    assert linear_supported(weight, (128, 256)) and not linear_supported(weight, (128, 256), fp8_activations=True)
+@pytest.mark.parametrize("num_sms", [None, 132])
+def test_narrow_k_blocks_take_x_rounded_onto_the_w8a16_tiles(num_sms):
+    """K blocks outside FP8_MMA_BLOCK_KS (V4.1's 32 x 32): the W8A8 product is the W8A16 tiles' on x rounded to
+    its fp8 values (`fake_quantize_fp8_rows`), bit for bit, grouped (strided x) and not."""
+    from deepinfer_kernels.activation_quant import fake_quantize_fp8_rows
+
+    assert 32 not in FP8_MMA_BLOCK_KS
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(2, 5, 2, 256, generator=gen).to(torch.bfloat16)[:, :, 0]
+    weight, scale = quantize_fp8_block(torch.randn(160, 256, generator=gen) / 8, (32, 32))  # 5 groups of 32 rows
+    rounded = fake_quantize_fp8_rows(x.reshape(-1, 256), 32).view(x.shape)
+    out = linear(x, weight, scale, (32, 32), num_sms=num_sms, fp8_activations=True)
+    assert torch.equal(out, linear(rounded, weight, scale, (32, 32), num_sms=num_sms))
+    grouped = grouped_linear(x, weight, scale, (32, 32), num_sms=num_sms, fp8_activations=True)
+    assert torch.equal(grouped, grouped_linear(rounded, weight, scale, (32, 32), num_sms=num_sms))
+
+
+def test_fp8_activations_refuse_blocks_x_cannot_be_grouped_by():
+    weight = torch.randn(48, 1024).to(torch.float8_e4m3fn)
+    assert linear_supported(weight, (128, 512)) and not linear_supported(weight, (128, 512), fp8_activations=True)
     with pytest.raises(ValueError, match="fp8 activations need"):
-        linear(torch.randn(2, 512), weight, torch.ones(1, 2).to(torch.float8_e8m0fnu), (128, 256), fp8_activations=True)
+        linear(torch.randn(2, 1024), weight, torch.ones(1, 2).to(torch.float8_e8m0fnu), (128, 512),
+               fp8_activations=True)
 
 
 def test_linear_keeps_leading_dims_and_reads_strided_rows():

@@ -19,7 +19,10 @@ import triton.language as tl
 
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 
-__all__ = ["fake_quantize_fp8_rows", "fake_quantize_supported", "fp8_activation_tiles_supported", "quantize_fp8_rows"]
+__all__ = [
+    "activation_group_supported", "fake_quantize_fp8_rows", "fake_quantize_supported", "fp8_activation_tiles_supported",
+    "quantize_fp8_rows",
+]
 
 
 def fp8_activation_tiles_supported(block: tuple[int, int] | None) -> bool:
@@ -29,11 +32,16 @@ def fp8_activation_tiles_supported(block: tuple[int, int] | None) -> bool:
 
 
 def fake_quantize_supported(x: torch.Tensor, block: tuple[int, int] | None) -> bool:
-    """`fake_quantize_fp8_rows` takes x of unit column stride in float32 / bf16 / fp16, in K groups of a power
-    of two from 16 to 256 columns."""
-    group = block[1] if block is not None else 0
+    """`fake_quantize_fp8_rows` takes x of unit column stride in float32 / bf16 / fp16, in K groups that
+    `activation_group_supported`."""
     return (x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.stride(-1) == 1
-            and 16 <= group <= 256 and group & (group - 1) == 0)
+            and activation_group_supported(block))
+
+
+def activation_group_supported(block: tuple[int, int] | None) -> bool:
+    """A weight block whose K columns the row launches take as one group of x: a power of two from 16 to 256."""
+    group = block[1] if block is not None else 0
+    return 16 <= group <= 256 and group & (group - 1) == 0
 
 
 @triton.jit

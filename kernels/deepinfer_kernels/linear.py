@@ -4,11 +4,12 @@ and its grouped form (the output projection's groups: each group's inputs meet i
 The weight tile is dequantised in registers and meets x on the tensor cores in x.dtype with a float32
 accumulator; fp8 block scales (powers of two) multiply each tile's partial product, which equals
 scaling the weight exactly. Float32 inputs use IEEE float32 dots (the contract asks 1e-5, tf32 would
-give ~3e-4). With `fp8_activations` an fp8 weight meets x quantised to fp8 (`activation_quant`, one pass
-before the product) on the fp8 tensor cores; a K tile is one weight block and one activation group, and
-each tile's product is a fresh float32 MMA result scaled and added to the accumulator, so no long fp8
-accumulation chain forms. One row of x meeting an fp8 weight (W8A16, a decode step at batch 1), and a few
-float32 rows meeting a dense weight, run on CUDA cores instead, a program a row (`one_row_tiles`).
+give ~3e-4). With `fp8_activations` an fp8 weight in K blocks of 64 or 128 columns meets x quantised to fp8
+(`activation_quant`, one pass before the product) on the fp8 tensor cores; a K tile is one weight block and one
+activation group, and each tile's product is a fresh float32 MMA result scaled and added to the accumulator, so no
+long fp8 accumulation chain forms. Other K blocks (V4.1's 32) meet x rounded to its fp8 values in x's dtype on the
+W8A16 tiles instead (`FP8_MMA_BLOCK_KS`). One row of x meeting an fp8 weight (W8A16, a decode step at batch 1), and a
+few float32 rows meeting a dense weight, run on CUDA cores instead, a program a row (`one_row_tiles`).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, quantize_fp8_rows
+from deepinfer_kernels.activation_quant import activation_group_supported, fake_quantize_fp8_rows, quantize_fp8_rows
 from deepinfer_kernels.arrival_counters import arrival_counters
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 from deepinfer_kernels.weight_tiles import as_kernel_weight, e8m0_to_float, fp8_tiles, load_weight_tile, weight_format
 
 __all__ = [
-    "BATCH_INVARIANT_ROWS", "grouped_linear", "linear", "linear_supported", "one_row_tiles", "split_k", "tile_config",
+    "BATCH_INVARIANT_ROWS", "FP8_MMA_BLOCK_KS", "grouped_linear", "linear", "linear_supported", "one_row_tiles",
+    "split_k", "tile_config",
 ]
 
 # Batch-invariant mode sizes every launch's tiles as for this many rows, whatever the row count: a
@@ -34,6 +36,13 @@ _ARRIVAL_COUNTERS = 1024
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of one row on CUDA cores (`one_row_tiles`).
 ONE_ROW_TILE = (1, 64, 128, 4, 3)
 FLOAT32_ROW_TILES = 16
+# Under fp8 activations, an fp8 weight of K blocks this wide meets x's fp8 codes on the fp8 MMAs (A8), a K tile a
+# block. Other K blocks meet x rounded to its fp8 values in x's dtype (`fake_quantize_fp8_rows`) on the W8A16 tiles:
+# the same W8A8 product (e4m3 values times powers of two are exact in bf16; the reference op's formula). H100, graph
+# replay (BENCHMARKS.md): 32-column K tiles leave the fp8 MMAs too little work a scale, V4.1's wo_b (5,120 x 8,192,
+# 32 x 32 blocks) 64.6 / 76.8 / 103.6 us at 1 / 16 / 64 rows on the A8 tiles against 21.9 / 22.8 / 47.5 so, wq_b
+# 1.4-1.9x; in 64 x 64 blocks the A8 tiles are even at 1-16 rows and 1.3x faster at 64-512; in 128 x 128 1.5-2.5x.
+FP8_MMA_BLOCK_KS = (64, 128)
 # Output tiles are visited in bands of this many row tiles, column tile after column tile within a band, so
 # that the programs running at once share a band's rows of x and a few columns of W in L2 (`_tile_coords`),
 # when a group's x is larger than X_IN_L2_BYTES (half an H100/H200's L2); a smaller x stays in L2 and is
@@ -218,11 +227,11 @@ def split_k(tiles: int, k: int, block_k: int, num_sms: int, one_row: bool = Fals
 
 
 def linear_supported(weight: torch.Tensor, block: tuple[int, int] | None, fp8_activations: bool = False) -> bool:
-    """fp8 tiles must divide the scale block (powers of two >= 16), and with fp8 activations span its K
-    exactly; fp4 needs whole 32-column scale groups."""
+    """fp8 tiles must divide the scale block (powers of two >= 16), and with fp8 activations its K block must be
+    a group of x the activation launches take (`activation_group_supported`); fp4 needs whole 32-column scale groups."""
     fmt = weight_format(weight)
     if fmt == 1:
-        if fp8_activations and not fp8_activation_tiles_supported(block):
+        if fp8_activations and not activation_group_supported(block):
             return False
         return block is not None and all(b >= 16 and b & (b - 1) == 0 for b in block)
     if fmt == 2:
@@ -254,15 +263,17 @@ def grouped_linear(
     (arguments as in `linear`). fp8 groups hold whole scale blocks (N a multiple of block[0])."""
     tokens, groups, k = x.shape
     n, fmt = weight.shape[0] // groups, weight_format(weight)
-    if fp8_activations and fmt == 1 and not fp8_activation_tiles_supported(block):
-        raise ValueError(f"fp8 activations need an fp8 weight block of 32, 64 or 128 columns, not {block}")
+    if fp8_activations and fmt == 1 and not activation_group_supported(block):
+        raise ValueError(f"fp8 activations need an fp8 weight block of 16 to 256 columns (a power of two), not {block}")
     if fmt == 1 and groups > 1 and n % block[0]:
         raise ValueError(f"fp8 groups of {n} rows would split the weight's {block[0]}-row scale blocks")
     x = x if x.stride(-1) == 1 else x.contiguous()
+    a8 = fp8_activations and fmt == 1
+    if a8 and block[1] not in FP8_MMA_BLOCK_KS:
+        x, a8 = fake_quantize_fp8_rows(x.reshape(tokens * groups, k), block[1]).view(tokens, groups, k), False
     w, s = as_kernel_weight(weight.contiguous() if weight.stride(-1) != 1 else weight, scale)
     out = torch.empty((tokens, groups, n), dtype=out_dtype or x.dtype, device=x.device)
     tiled_rows = BATCH_INVARIANT_ROWS if batch_invariant else tokens
-    a8 = fp8_activations and fmt == 1
     one_row = one_row_tiles(tiled_rows, fmt, block, a8, x.dtype == torch.float32)
     if fmt == 0 and w.dtype != x.dtype and not one_row:  # one-row tiles widen the weight as they load it
         w = w.to(x.dtype)

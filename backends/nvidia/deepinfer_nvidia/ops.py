@@ -41,8 +41,10 @@ CUBLAS_ROWS = 1024
 CUBLAS_W8A16_ROWS = 512
 # Under fp8 activations, an fp8 weight in blocks cuBLAS's block-scaled GEMM does not take (V4.1's 32 x 32) from this
 # many rows: the reference op as above, x rounded to its fp8 values in bf16 (`fake_quantize_activations`), the
-# W8A8 product exactly at the bf16 rate. H100, the Triton W8A8 tiles' time over it: wq_b 0.85 / 1.36 / 2.68 at
-# 128 / 256 / 1,024 rows, wo_b 2.58 / 1.93 / 3.46, wq_a 1.45 / 1.45 / 2.44.
+# W8A8 product exactly at the bf16 rate. Fewer rows take the same rounding onto the W8A16 tiles
+# (`linear.FP8_MMA_BLOCK_KS`). H100, graph replay, us at 128 / 256 / 512 rows, tiles against this path: wq_a
+# 33 / 47 / 61 against 18 / 21 / 31, wkv 31 / 34 / 49 against 14 / 17 / 22, wq_b 45 / 85 / 165 against 86 / 88 /
+# 110, wo_b 67 / 110 / 229 against 84 / 89 / 112.
 CUBLAS_W8A8_WIDENED_ROWS = 256
 # A float32 x meeting a dense weight (V4.1's ratio-2 compressor) from this many rows: the reference op (the weight
 # widened to float32, cuBLAS's float32 GEMM). The Triton tiles take it in IEEE float32 MMAs: H100, the
@@ -132,7 +134,7 @@ class TritonOps(KernelOps):
         block: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         # Fallback: fp8 block shapes that are not powers of two >= 16 (or, with fp8 activations, K blocks
-        # other than 32, 64 or 128), fp4 rows that are not whole scale groups.
+        # that are not powers of two from 16 to 256), fp4 rows that are not whole scale groups.
         if not self._linear_supported(weight, block, self.fp8_activations):
             return super().linear(x, weight, scale, block)
         rows = x.numel() // x.shape[-1]
