@@ -41,7 +41,8 @@ FLOAT32_ROW_TILES = 16
 # the same W8A8 product (e4m3 values times powers of two are exact in bf16; the reference op's formula). H100, graph
 # replay (BENCHMARKS.md): 32-column K tiles leave the fp8 MMAs too little work a scale, V4.1's wo_b (5,120 x 8,192,
 # 32 x 32 blocks) 64.6 / 76.8 / 103.6 us at 1 / 16 / 64 rows on the A8 tiles against 21.9 / 22.8 / 47.5 so, wq_b
-# 1.4-1.9x; in 64 x 64 blocks the A8 tiles are even at 1-16 rows and 1.3x faster at 64-512; in 128 x 128 1.5-2.5x.
+# 1.4-1.9x; in 64 x 64 blocks the A8 tiles are even at 1-16 rows and 1.2-1.4x faster at 64-512, in 128 x 128 even
+# at 1 row and 1.35-2.5x faster at 2-512.
 FP8_MMA_BLOCK_KS = (64, 128)
 # Output tiles are visited in bands of this many row tiles, column tile after column tile within a band, so
 # that the programs running at once share a band's rows of x and a few columns of W in L2 (`_tile_coords`),
