@@ -8,7 +8,8 @@ interpreter gets wrong near powers of two), so the final cast only converts exac
 
 One pass writes the codes and scales; the GEMMs then stream fp8 tiles straight into the fp8 tensor cores. Or it
 writes the rounded values themselves in x's dtype (`fake_quantize_fp8_rows`), for a product that multiplies
-them in bf16 on cuBLAS: exactly the W8A8 product, for weight blocks no fp8 GEMM at hand takes.
+them in bf16 (cuBLAS, or `linear`'s W8A16 tiles): exactly the W8A8 product, for weight blocks that no fp8 GEMM at
+hand takes or that leave the fp8 tiles too little work (V4.1's 32 x 32).
 """
 
 from __future__ import annotations
