@@ -276,6 +276,31 @@ def test_the_gate_up_launch_caps_registers_only_beside_an_fp8_shared_expert_of_w
     assert_matches(out, KernelOps().fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[torch.bfloat16])
 
 
+@pytest.mark.parametrize("pairs_threshold,with_shared", [(None, False), (16, False), (16, True)])
+def test_fp4_experts_of_small_scales_decode_with_one_product_whatever_runs_beside_them(
+        monkeypatch, pairs_threshold, with_shared):
+    """fp4 experts whose scales are all at most 2 take the one-product decode (FP4_PAIR_ORDER / FP4_SMALL_SCALES)
+    with no shared expert in their launches: a decode step without one, or a prefill-sized step (its fp8 shared
+    expert runs apart); the format is a constexpr of the launch."""
+    from deepinfer_kernels import fused_moe
+
+    if pairs_threshold is not None:  # prefill tiles at this test's size
+        monkeypatch.setattr(fused_moe, "_PREFILL_PAIRS", pairs_threshold)
+    formats, kernel = [], fused_moe._gate_up_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: formats.append(kwargs["FORMAT"]) or kernel[grid](*args, **kwargs)
+
+    monkeypatch.setattr(fused_moe, "_gate_up_kernel", Recorded())
+    x, weights, ids, mlps, shared = _inputs("fp4", torch.bfloat16, 9, seed=17)
+    shared = shared if with_shared else None
+    out = TritonOps().fused_moe(x, weights, ids, mlps, shared, 1.5)
+    block_m = fused_moe.tile_config(9 * 3, 2, False)[0]
+    assert formats == [fp4_kernel_format(block_m)]
+    assert_matches(out, KernelOps().fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[torch.bfloat16])
+
+
 def test_experts_not_held_contribute_nothing():
     x, weights, ids, mlps, shared = _inputs("dense", torch.float32, 23, seed=5)
     mlps = [m if i % 3 else None for i, m in enumerate(mlps)]

@@ -514,8 +514,9 @@ def moe_routed(
     fused = shared is not None
     slots = top_k + fused
     shared_fmt = weight_format(shared.w1) if fused else fmt
-    # A fused fp4 shared expert's scales are not checked (the released fp4 checkpoints keep it in fp8).
-    small = fmt == 2 and experts.fp4_small_scales and shared_fmt != 2
+    # A fused fp4 shared expert's scales are not checked (the released fp4 checkpoints keep it in fp8); with no
+    # shared expert in the launches (prefill sizes, batch-invariant mode, expert parallelism) only the stack's count.
+    small = fmt == 2 and experts.fp4_small_scales and not (fused and shared_fmt == 2)
     block_m, block_n, block_k, warps, stages = tile_config(tokens * slots, fmt, batch_invariant)
     kernel_format = fp4_kernel_format(block_m) if small else fmt
     a8 = fp8_activations and fmt == 1
