@@ -44,10 +44,7 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
     # (name, N, K): wq_a, wq_b, wkv, an expert's w1
     projections = ([("wq_b", 80, 64), ("w1", 64, 96)] if tiny else
                    [("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096), ("w1", 2048, 4096)])
-    for m in ([1, 33] if tiny else [1, 64, 8192]):
-        for name, n, k in projections:
-            for fmt in ("bf16", "fp8", "fp8-a8", "fp4"):
-                yield Case(f"linear {name} {fmt} M={m} N={n} K={k}", partial(_linear, ops, reference, m, n, k, fmt, tiny))
+    yield from _projection_cases(ops, reference, [1, 33] if tiny else [1, 64, 8192], projections, tiny)
     # DeepSeek-V4.1's fp8 weights: 32 x 32 scale blocks, smaller than the tiles (FP8_SCALED_TILES); its wq_b, wo_b
     for name, n, k in ([("wq_b", 80, 64)] if tiny else [("wq_b", 32768, 1280), ("wo_b", 5120, 8192)]):
         for m in ([1, 33] if tiny else [1, 64, 8192]):
@@ -140,6 +137,18 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
                 yield Case(f"{op} {layer} {kind} S={seqs} q={q_len} ctx={ctx}",
                            partial(_attention, ops, reference, heads, dim, ring, seqs, q_len, ctx, layer, ratio, tiny,
                                    rotary))
+    # linear's 64-row tiles between decode and prefill sizes (`SIXTY_FOUR_ROW_TILES`: speculative verification,
+    # decode at large batches, chunked-prefill tails); at 512 rows W8A16 is on cuBLAS
+    yield from _projection_cases(ops, reference, [100] if tiny else [200, 512], projections, tiny)
+
+
+def _projection_cases(ops, reference, rows: list[int], projections: list[tuple[str, int, int]], tiny: bool) -> Iterator:
+    from check_kernels_gpu import Case
+
+    for m in rows:
+        for name, n, k in projections:
+            for fmt in ("bf16", "fp8", "fp8-a8", "fp4"):
+                yield Case(f"linear {name} {fmt} M={m} N={n} K={k}", partial(_linear, ops, reference, m, n, k, fmt, tiny))
 
 
 def _rms_norm(ops, reference, shape, gen, device):

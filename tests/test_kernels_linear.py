@@ -30,7 +30,7 @@ def _weight(fmt: str, n: int, k: int, gen: torch.Generator, dtype: torch.dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["dense", "fp8", "fp4"])
-@pytest.mark.parametrize("m,n,k", [(1, 72, 96), (37, 83, 160), (70, 130, 64)])
+@pytest.mark.parametrize("m,n,k", [(1, 72, 96), (37, 83, 160), (70, 130, 64), (520, 72, 64)])  # 64- and 128-row tiles
 def test_linear_matches_reference(dtype, fmt, m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -38,6 +38,18 @@ def test_linear_matches_reference(dtype, fmt, m, n, k):
     assert linear_supported(weight, block)
     out = linear(x, weight, scale, block)
     assert_matches(out, KernelOps().linear(x, weight, scale, block), TOLERANCE[dtype])
+
+
+def test_rows_between_decode_and_prefill_take_64_row_tiles_except_beside_a_tall_weight():
+    """65-512 rows: 64-row tiles (more programs for a projection whose weight L2 keeps between the passes), not for a
+    weight of the LM head's height, which each extra row tile streams again from memory."""
+    from deepinfer_kernels.linear import SIXTY_FOUR_ROW_TILES, TALL_WEIGHT_ROWS, tile_config
+
+    for rows in (65, 200, SIXTY_FOUR_ROW_TILES):
+        assert tile_config(rows, 1, weight_rows=1280)[0] == 64
+        assert tile_config(rows, 0, weight_rows=TALL_WEIGHT_ROWS + 1)[0] == 128
+    assert tile_config(SIXTY_FOUR_ROW_TILES + 1, 0, weight_rows=1280)[0] == 128
+    assert tile_config(64, 0, weight_rows=TALL_WEIGHT_ROWS + 1)[0] == 64
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17])

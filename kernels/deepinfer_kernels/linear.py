@@ -36,6 +36,14 @@ _ARRIVAL_COUNTERS = 1024
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of one row on CUDA cores (`one_row_tiles`).
 ONE_ROW_TILE = (1, 64, 128, 4, 3)
 FLOAT32_ROW_TILES = 16
+# Up to this many rows the MMA tiles are 64 rows tall (`tile_config`) for weights of up to TALL_WEIGHT_ROWS rows:
+# 128-row tiles gave a small projection a handful of output tiles. H100, graph replay, 128 / 256 / 512 rows:
+# V4.1's wq_a (1,280 x 5,120, fp8) 31.1 / 44.1 / 53.6 us -> 20.6 / 26.0 / 41.3, V4's wo_b (4,096 x 8,192, fp8)
+# 61.5 / 103.6 / 157.5 -> 54.6 / 91.8 / 130.4; wq_b (32,768 rows) even to 8% faster (BENCHMARKS.md).
+SIXTY_FOUR_ROW_TILES = 512
+# A 64-row tile streams its columns of W once per 64 rows of x: L2 holds a projection's weight for the second
+# pass, not the LM head's (129,280 x 4,096 bf16: 1.15 / 1.25 / 1.64x slower at 128 / 256 / 512 rows).
+TALL_WEIGHT_ROWS = 65536
 # Under fp8 activations, an fp8 weight of K blocks this wide meets x's fp8 codes on the fp8 MMAs (A8), a K tile a
 # block. Other K blocks meet x rounded to its fp8 values in x's dtype (`fake_quantize_fp8_rows`) on the W8A16 tiles:
 # the same W8A8 product (e4m3 values times powers of two are exact in bf16; the reference op's formula). H100, graph
@@ -176,12 +184,14 @@ def _one_row_sums(
     return tl.sum(acc, axis=1)[None, :]
 
 
-def tile_config(m: int, fmt: int, one_row: bool = False) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for m rows; an fp8 weight's scale blocks then shape
-    the tile (`weight_tiles.fp8_tiles`). `one_row` (`one_row_tiles`): the one-row tile on CUDA cores."""
+def tile_config(m: int, fmt: int, one_row: bool = False, weight_rows: int = 0) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for m rows meeting a weight of `weight_rows` rows (all
+    groups'); an fp8 weight's scale blocks then shape the tile (`weight_tiles.fp8_tiles`). `one_row`
+    (`one_row_tiles`): the one-row tile on CUDA cores."""
     if one_row:
         return ONE_ROW_TILE
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    sixty_four = m <= 64 or (m <= SIXTY_FOUR_ROW_TILES and weight_rows <= TALL_WEIGHT_ROWS)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if sixty_four else 128
     block_n = 64 if m <= 64 else 128
     # decode-sized rows stream the weight: longer K tiles, one more stage (scripts/tune_linear_tiles.py:
     # the LM head at 1-16 rows goes from 95-97% to 100-102% of the measured copy bandwidth)
@@ -278,7 +288,7 @@ def grouped_linear(
     one_row = one_row_tiles(tiled_rows, fmt, block, a8, x.dtype == torch.float32)
     if fmt == 0 and w.dtype != x.dtype and not one_row:  # one-row tiles widen the weight as they load it
         w = w.to(x.dtype)
-    block_m, block_n, block_k, warps, stages = tile_config(tiled_rows, fmt, one_row)
+    block_m, block_n, block_k, warps, stages = tile_config(tiled_rows, fmt, one_row, weight.shape[0])
     kernel_format = fmt
     if fmt == 1 and not a8:
         kernel_format, block_n, block_k = fp8_tiles(block, block_n, block_k)
