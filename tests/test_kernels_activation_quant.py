@@ -42,6 +42,19 @@ def test_fake_quantized_rows_are_the_reference_rounding_exactly(dtype, group):
     assert got.dtype == dtype and torch.equal(got, fake_quantize_fp8_activations(x, group))
 
 
+@pytest.mark.parametrize("group", [16, 32, 256])
+def test_rows_and_columns_past_one_program_tile(group):
+    """70 rows (five row tiles, past SEGMENT_ROWS) of 600 columns: several column tiles, the last ending inside a
+    group."""
+    gen = torch.Generator().manual_seed(group)
+    x = torch.randn(70, 600, generator=gen) * torch.exp2(torch.randint(-12, 12, (70, 1), generator=gen).float())
+    codes, scales = quantize_fp8_rows(x, group)
+    restored = codes.float() * scales.repeat_interleave(group, dim=1)[:, :600]
+    assert torch.equal(restored, fake_quantize_fp8_activations(x, group))
+    assert torch.equal(fake_quantize_fp8_rows(x.to(torch.bfloat16), group),
+                       fake_quantize_fp8_activations(x.to(torch.bfloat16), group))
+
+
 def _fp8_weight(k: int, block: tuple[int, int]) -> torch.Tensor:
     weight, _ = quantize_fp8_block(torch.randn(64, k, generator=torch.Generator().manual_seed(2)), block)
     return weight

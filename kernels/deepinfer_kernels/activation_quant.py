@@ -25,6 +25,14 @@ __all__ = [
     "quantize_fp8_rows",
 ]
 
+# A program's tile: ROW_TILE rows of one group, or of ROW_SEGMENT columns (whole groups) above SEGMENT_ROWS rows, so
+# that each row's loads are long contiguous runs. H100, graph replay: 8,192 x 5,120 bf16 in groups of 32 rounded in
+# 99.0 -> 61.5 us (93% of a clone's time), codes and scales 99.4 -> 47.8; at 1 / 64 rows the wide tiles left too
+# few programs (1.2 -> 1.9, 1.7 -> 2.1 us).
+ROW_TILE = 16
+ROW_SEGMENT = 256
+SEGMENT_ROWS = 64
+
 
 def fp8_activation_tiles_supported(block: tuple[int, int] | None) -> bool:
     """A GEMM's K tile must be the weight's K block (one scale per tile for x and W): a power of two
@@ -66,26 +74,29 @@ def _round_to_e4m3(v):
 @triton.jit
 def _quantize_rows_kernel(
     x_ptr, codes_ptr, scales_ptr, M, K, stride_xm, stride_cm, stride_sm,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, FAKE: tl.constexpr, PDL: tl.constexpr,
+    GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, FAKE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """FAKE: codes_ptr takes the rounded values times their scale (exact in bf16 and float32), no scales."""
+    """A program takes BLOCK_M rows of GROUPS consecutive groups, a [BLOCK_M, GROUPS, GROUP] tile.
+    FAKE: codes_ptr takes the rounded values times their scale (exact in bf16 and float32), no scales."""
     wait_for_previous_grid(PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    group = tl.program_id(1)
-    offs_k = group * GROUP + tl.arange(0, GROUP)
-    rows = offs_m[:, None].to(tl.int64)
-    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-    x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    offs_k = groups[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
+    rows = offs_m[:, None, None].to(tl.int64)
+    mask = (rows < M) & (offs_k < K)
+    x = tl.load(x_ptr + rows * stride_xm + offs_k, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)
     bits = amax.to(tl.int32, bitcast=True)
     # amax = m * 2^p with 1 <= m < 2, and 448 = 1.75 * 2^8: e = p - 8, or p - 7 when m > 1.75
     exponent = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    rounded = _round_to_e4m3(x * _pow2(-exponent)[:, None])
+    rounded = _round_to_e4m3(x * _pow2(-exponent)[:, :, None])
     if FAKE:
-        rounded = rounded * _pow2(exponent)[:, None]
-    tl.store(codes_ptr + rows * stride_cm + offs_k[None, :], rounded.to(codes_ptr.dtype.element_ty), mask=mask)
+        rounded = rounded * _pow2(exponent)[:, :, None]
+    tl.store(codes_ptr + rows * stride_cm + offs_k, rounded.to(codes_ptr.dtype.element_ty), mask=mask)
     if not FAKE:
-        tl.store(scales_ptr + offs_m.to(tl.int64) * stride_sm + group, _pow2(exponent), mask=offs_m < M)
+        group_mask = (offs_m[:, None] < M) & (groups[None, :] * GROUP < K)
+        tl.store(scales_ptr + offs_m[:, None].to(tl.int64) * stride_sm + groups[None, :], _pow2(exponent),
+                 mask=group_mask)
 
 
 def quantize_fp8_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,8 +119,8 @@ def fake_quantize_fp8_rows(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def _launch(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, group: int, fake: bool) -> None:
     rows, cols = x.shape
-    block_m = 16
-    _quantize_rows_kernel[(triton.cdiv(rows, block_m), triton.cdiv(cols, group))](
+    groups = max(ROW_SEGMENT // group, 1) if rows > SEGMENT_ROWS else 1
+    _quantize_rows_kernel[(triton.cdiv(rows, ROW_TILE), triton.cdiv(cols, group * groups))](
         x, out, scales, rows, cols, x.stride(0), out.stride(0), scales.stride(0),
-        GROUP=group, BLOCK_M=block_m, FAKE=fake, num_warps=4, **launch_options(x.device),
+        GROUP=group, GROUPS=groups, BLOCK_M=ROW_TILE, FAKE=fake, num_warps=4, **launch_options(x.device),
     )
