@@ -242,7 +242,7 @@ def test_fp4_experts_under_fp8_activations_run_the_fp8_shared_expert_apart():
 def test_fp4_decode_tiles_take_the_weights_in_pair_order_and_the_others_keep_column_order():
     """Decode-sized steps put the fp4 weights on the MMA's tall side in pair order; prefill tiles and
     batch-invariant mode (one tile for every step size, its results unchanged) keep the float32 decode."""
-    for pairs in (7, 112, 448):
+    for pairs in (7, 112, 448, 5000):  # 5000: the 16 x 64 tiles (`_FP4_NARROW_PAIRS`)
         assert fp4_kernel_format(tile_config(pairs, 2, False)[0]) == FP4_PAIR_ORDER
     assert fp4_kernel_format(tile_config(9000, 2, False)[0]) == FP4_SMALL_SCALES
     assert fp4_kernel_format(tile_config(7, 2, True)[0]) == FP4_SMALL_SCALES

@@ -376,6 +376,10 @@ def _sum_slots(y_ptr, out_ptr, token, cols, mask, D, SLOTS: tl.constexpr, CACHE:
 
 # Steps of this many (token, expert) pairs or more take the prefill tiles.
 _PREFILL_PAIRS = 8192
+# fp4 experts take 8-row tiles of 32 columns below this many pairs, 16 x 64 from it to _PREFILL_PAIRS: at 10-20 rows
+# an expert the narrow tiles decode each weight twice or more. H100, the op with the shared expert in its launches,
+# 640 / 1,024 tokens: V4.1 5.16 / 7.35 -> 4.36 / 5.56 ms, V4 3.40 / 5.00 -> 2.55 / 3.80 (BENCHMARKS.md).
+_FP4_NARROW_PAIRS = 4096
 
 
 def tile_config(pairs: int, fmt: int, batch_invariant: bool) -> tuple[int, int, int, int, int]:
@@ -386,14 +390,17 @@ def tile_config(pairs: int, fmt: int, batch_invariant: bool) -> tuple[int, int, 
     rows of x (the MMA's narrow side, `fp4_kernel_format`), 32 weight rows and 256 columns on 2 warps: with
     the fp8 shared expert fused, 76 / 459 / 1,105 us at 1 / 16 / 64 tokens, against 84.5 / 665 / 1,598 for
     the 16 x 32 / 16 x 64 tiles of 128 before the PTX decode; at 8,192 tokens 128 x 128 x 64 tiles took
-    11.6 ms against 12.4 for 128 x 64 x 64. Batch-invariant mode takes one configuration whatever the
-    batch (a tile shape can change the MMA instructions, hence the order).
+    11.6 ms against 12.4 for 128 x 64 x 64; from `_FP4_NARROW_PAIRS` they take the 16 x 64 tiles (in pair
+    order too). Measured and not taken: 64-row tiles from 8,192 pairs, 0.80-0.84x the op's time alone at 1,536-2,048
+    tokens (random routing), 1.17-1.20x for V4 at 3,072-4,096, and slower in V4.1's whole steps (H100, 2,048 / 4,096
+    tokens: 40.94 / 73.26 -> 42.62 / 78.26 ms). Batch-invariant mode takes one configuration whatever the batch (a
+    tile shape can change the MMA instructions, hence the order).
     """
     if batch_invariant:
         return (64, 64, 128, 4, 3) if fmt == 1 else (64, 64, 64, 4, 3)
     if pairs >= _PREFILL_PAIRS:
         return {0: (128, 128, 64, 8, 3), 1: (128, 128, 128, 8, 3), 2: (128, 128, 64, 8, 3)}[fmt]
-    if fmt == 2:
+    if fmt == 2 and pairs < _FP4_NARROW_PAIRS:
         return (8, 32, 256, 2, 3)
     return (16, 64, 128, 4, 3)
 
