@@ -27,7 +27,7 @@ __all__ = [
 
 # A program's tile: ROW_TILE rows of one group, or of ROW_SEGMENT columns (whole groups) above SEGMENT_ROWS rows, so
 # that each row's loads are long contiguous runs. H100, graph replay: 8,192 x 5,120 bf16 in groups of 32 rounded in
-# 99.0 -> 61.5 us (93% of a clone's time), codes and scales 99.4 -> 47.8; at 1 / 64 rows the wide tiles left too
+# 99.0 -> 61.5 us (1.08x a clone's time), codes and scales 99.4 -> 47.8; at 1 / 64 rows the wide tiles left too
 # few programs (1.2 -> 1.9, 1.7 -> 2.1 us).
 ROW_TILE = 16
 ROW_SEGMENT = 256

@@ -522,7 +522,7 @@ def moe_routed(
     slots = top_k + fused
     shared_fmt = weight_format(shared.w1) if fused else fmt
     # A fused fp4 shared expert's scales are not checked (the released fp4 checkpoints keep it in fp8); with no
-    # shared expert in the launches (prefill sizes, batch-invariant mode, expert parallelism) only the stack's count.
+    # shared expert in the launches (prefill sizes, batch-invariant mode, expert parallelism) the experts' decide.
     small = fmt == 2 and experts.fp4_small_scales and not (fused and shared_fmt == 2)
     block_m, block_n, block_k, warps, stages = tile_config(tokens * slots, fmt, batch_invariant)
     kernel_format = fp4_kernel_format(block_m) if small else fmt
