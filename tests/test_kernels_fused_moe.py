@@ -248,6 +248,21 @@ def test_fp4_decode_tiles_take_the_weights_in_pair_order_and_the_others_keep_col
     assert fp4_kernel_format(tile_config(7, 2, True)[0]) == FP4_SMALL_SCALES
 
 
+def _recorded_gate_up_launches(monkeypatch, keyword: str) -> list:
+    """The value of `keyword` in each gate/up launch from here on (launch options and constexprs alike: the
+    interpreter ignores the former, so they are read from the call)."""
+    from deepinfer_kernels import fused_moe
+
+    recorded, kernel = [], fused_moe._gate_up_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: recorded.append(kwargs[keyword]) or kernel[grid](*args, **kwargs)
+
+    monkeypatch.setattr(fused_moe, "_gate_up_kernel", Recorded())
+    return recorded
+
+
 @pytest.mark.parametrize("fmt,shared_block,expected", [
     ("fp4", (64, 64), 128),  # V4's fp4 checkpoints at decode sizes: an fp8 shared expert of whole-block scales
     ("fp4", (32, 32), None),  # V4.1's: its shared loop scales 32 x 32 blocks in the tile
@@ -258,15 +273,7 @@ def test_fp4_decode_tiles_take_the_weights_in_pair_order_and_the_others_keep_col
 def test_the_gate_up_launch_caps_registers_only_beside_an_fp8_shared_expert_of_whole_blocks(
         monkeypatch, fmt, shared_block, expected):
     """The cap is a launch option, which the interpreter ignores: the launch's keyword arguments are recorded."""
-    from deepinfer_kernels import fused_moe
-
-    launched, kernel = [], fused_moe._gate_up_kernel
-
-    class Recorded:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.append(kwargs["maxnreg"]) or kernel[grid](*args, **kwargs)
-
-    monkeypatch.setattr(fused_moe, "_gate_up_kernel", Recorded())
+    launched = _recorded_gate_up_launches(monkeypatch, "maxnreg")
     x, weights, ids, mlps, _ = _inputs(fmt, torch.bfloat16, 3, seed=15)
     shared = None
     if shared_block is not None:
@@ -286,13 +293,7 @@ def test_fp4_experts_of_small_scales_decode_with_one_product_whatever_runs_besid
 
     if pairs_threshold is not None:  # prefill tiles at this test's size
         monkeypatch.setattr(fused_moe, "_PREFILL_PAIRS", pairs_threshold)
-    formats, kernel = [], fused_moe._gate_up_kernel
-
-    class Recorded:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: formats.append(kwargs["FORMAT"]) or kernel[grid](*args, **kwargs)
-
-    monkeypatch.setattr(fused_moe, "_gate_up_kernel", Recorded())
+    formats = _recorded_gate_up_launches(monkeypatch, "FORMAT")
     x, weights, ids, mlps, shared = _inputs("fp4", torch.bfloat16, 9, seed=17)
     shared = shared if with_shared else None
     out = TritonOps().fused_moe(x, weights, ids, mlps, shared, 1.5)
