@@ -1,8 +1,9 @@
-"""Compile the heaviest Triton kernels of `deepinfer_kernels` for sm_90 and sm_100 without a GPU (ptxas and
-nvdisasm ship with triton), at the block shapes the ops launch, and report per kernel: shared memory,
-registers and spills (ptxas -v), the matrix instructions in the machine code (HGMMA / QGMMA are Hopper's
-bf16 / fp8 wgmma, HMMA the older mma.sync, UTC*MMA SM100's tcgen05), and the spill loads and stores inside
-the loops that issue them (the K or key-block loops: a spill there costs every iteration, elsewhere once).
+"""Compile the heaviest Triton kernels of `deepinfer_kernels` for sm_90 and sm_100 (and Hopper's Gluon attention
+for sm_90) without a GPU (ptxas and nvdisasm ship with triton), at the block shapes the ops launch, and report
+per kernel: shared memory, registers and spills (ptxas -v), the matrix instructions in the machine code
+(HGMMA / QGMMA are Hopper's bf16 / fp8 wgmma, HMMA the older mma.sync, UTC*MMA SM100's tcgen05), and the spill
+loads and stores inside the loops that issue them (the K or key-block loops: a spill there costs every iteration,
+elsewhere once).
 Proves the SM100 path compiles; tells, before any GPU time is spent, whether a change spilled or asks for more
 shared memory than a block may have (a failure: that launch would fail).
 
@@ -36,8 +37,16 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler import compile as triton_compile  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402  (what gluon.jit compiles through)
 
-from deepinfer_kernels import fused_moe, hyper_connection, linear, rms_norm, sparse_attention  # noqa: E402
+from deepinfer_kernels import (  # noqa: E402
+    fused_moe,
+    hyper_connection,
+    linear,
+    rms_norm,
+    sparse_attention,
+    sparse_attention_wgmma,
+)
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 # shared memory a block may use on sm_90 and sm_100 alike (CUDA's per-block opt-in limit): past it the launch fails
@@ -45,6 +54,7 @@ SHARED_LIMIT = 227 * 1024
 WEIGHT_TYPES = {0: "*bf16", 1: "*fp8e4nv", 2: "*i32"}  # fp4: int32 words of eight codes
 FLOAT_SCALARS = {"scale", "q_eps", "eps", "limit"}
 NOT_DIVISIBLE = {"ratio", "TOP_K", "SPLITS", "FN_ROWS"}  # small or odd at the real shapes
+HOPPER_ONLY = {sparse_attention_wgmma._wgmma_attention_kernel}  # wgmma: SM100 runs the Triton kernel instead
 
 
 def _types(fn, pointers: dict[str, str], default_pointer: str = "*bf16") -> dict[str, str]:
@@ -122,6 +132,17 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
                            HAS_ENTRIES=entries, HAS_SELECTED=selected, ROUND=True, IEEE=False, FIXED_KEY_BLOCKS=False,
                            HAS_WINDOW_STARTS=False, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=512, SPLITS=1,
                            ROTARY=rotary, Q_NORM=rotary), warps, stages)
+    # Hopper's prefill attention in Gluon (wgmma: sm_90 only, `HOPPER_ONLY`)
+    kernel = sparse_attention_wgmma._wgmma_attention_kernel
+    for layer, entries, selected, per_block in (("sliding", False, False, 1), ("hca", True, False, 1),
+                                                ("csa", True, True, 32)):
+        for rotary in (False, True):
+            yield (f"{'rotary' if rotary else 'sparse'}_attention_wgmma[{layer}]", kernel,
+                   _types(kernel, attention_pointers), dict(
+                       HAS_ENTRIES=entries, HAS_SELECTED=selected, HAS_WINDOW_STARTS=False, RING=128,
+                       PER_BLOCK=per_block, ROTARY=rotary, Q_NORM=rotary, ROPE_BLOCK=64,
+                       num_warps=sparse_attention_wgmma.WARPS),  # (a Gluon kernel's parameter)
+                   sparse_attention_wgmma.WARPS, 1)
     # the attention's latent norms (V4-Flash: q rank 1,024, KV 512 rotated in its last 64)
     kernel = rms_norm._latent_norms_kernel
     yield "latent_norms", kernel, _types(kernel, {"q_w_ptr": "*fp32", "kv_w_ptr": "*fp32", "pos_ptr": "*i64",
@@ -191,15 +212,17 @@ def _compile(fn, types, consts, warps, stages, capability, divisible=None) -> st
     """ptxas' report on `fn` compiled with these constexprs and options, down to the machine code; `divisible`:
     the 16-divisible arguments (by default every integer and pointer but NOT_DIVISIBLE's, as at the real shapes),
     given for the recorded launches, whose toy shapes make no report worth reading: theirs is "compiled"."""
-    consts = dict(consts, PDL=True)  # the GPU path: each kernel waits for the previous one (`dependent_launch`)
+    if "PDL" in fn.arg_names:  # the GPU path: each kernel waits for the previous one (`dependent_launch`)
+        consts = dict(consts, PDL=True)
     registers = consts.pop("maxnreg", None)  # a launch option, not a constexpr
     signature = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     given_divisible = divisible is not None
     if not given_divisible:
         divisible = [n for n in fn.arg_names if n not in consts and n not in NOT_DIVISIBLE and types[n] != "fp32"]
-    source = ASTSource(fn=fn, signature=signature,
-                       constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                       attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    source_type = GluonASTSource if fn.is_gluon() else ASTSource
+    source = source_type(fn=fn, signature=signature,
+                         constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                         attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     kernel = triton_compile(source, target=GPUTarget("cuda", capability, 32),
                             options={"num_warps": warps, "num_stages": stages, "maxnreg": registers})
     if kernel.metadata.shared > SHARED_LIMIT:
@@ -232,7 +255,7 @@ def main() -> None:
     for capability in map(int, args.capabilities.split(",")):
         variants = _recorded_variants(args.recorded) if args.recorded else ((*v, None) for v in _variants())
         for name, fn, types, consts, warps, stages, divisible in variants:
-            if args.only not in name:
+            if args.only not in name or (fn in HOPPER_ONLY and capability != 90):
                 continue
             try:
                 report = _compile(fn, types, consts, warps, stages, capability, divisible)

@@ -14,6 +14,9 @@ With ROTARY the kernel also does what the block does around it (`KernelOps.rotar
 normalises (Q_NORM) and rotates each query head as it loads it, and de-rotates the output as it stores it,
 so q and the output each take no pass of their own.
 
+On Hopper a prefill step (64 heads a program, bf16, head dim 512) runs `sparse_attention_wgmma`'s Gluon
+kernel instead, which splits the products between the warp groups and overlaps them with the softmax.
+
 A decode step has too few (token, head block) programs to fill the GPU, so its keys are split
 (flash-decoding): split s takes key blocks s, s + SPLITS, ... of every run and writes its running
 max, sum and unnormalised output; a second launch combines a head's splits in one fixed-order reduction.
@@ -28,6 +31,7 @@ import triton.language as tl
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 from deepinfer_kernels.rope import rotate_tile
+from deepinfer_kernels.sparse_attention_wgmma import HEADS, wgmma_attention, wgmma_attention_supported
 
 __all__ = ["key_splits", "sparse_attention", "tile_config"]
 
@@ -257,6 +261,11 @@ def sparse_attention(
     rotary = inv_freq is not None
     freq = inv_freq.float().contiguous() if rotary else sinks
     rope_half = inv_freq.shape[0] if rotary else 0
+    if (block_h == HEADS.value and splits == 1 and not batch_invariant
+            and wgmma_attention_supported(q, kv, window, entries, rope_half)):
+        wgmma_attention(q, kv, window, sinks, scale, batch, out, token_seq, window_starts, entries, ratio, selected,
+                        freq, rope_half, q_norm_eps)
+        return out
     _sparse_attention_kernel[(tokens, head_blocks, splits)](
         q, kv, window, sinks, entries_arg, selected_arg, out, part, stats,
         token_seq, batch.query_start_loc, batch.context_lens, batch.slot_ids, batch.block_tables, batch.positions,

@@ -1,0 +1,355 @@
+"""Hopper's prefill attention: `sparse_attention`'s prefill launch (64 heads of one token a program, bf16,
+head dim 512) written in Gluon, with the schedule Triton's `tl.dot` cannot express.
+
+Why: the Triton kernel holds the [64, 512] float32 output in one 8-warp program a multiprocessor and runs
+each key block as one dependent chain (scores, wait, softmax, rescale, value product), with both warp groups
+forming the same scores; it reached ~100 TFLOP/s (BENCHMARKS.md, thirteenth session). Here:
+- the two warp groups split both products by columns: each forms half of a key block's scores and owns
+  half of the output's 512 columns, so no tensor work is repeated; the probabilities go through shared
+  memory (a group needs all of a block's keys for its half of the output);
+- the scores of key block j + 1 are issued (asynchronous wgmma) before block j's softmax, and block j's
+  value product runs while block j + 1's scores are read, so the tensor cores work through the softmax;
+- keys are gathered (window ring, this step's rows, compressed entries through the block table) by
+  cp.async into a ring of four key buffers, blocks j + 2 and j + 3 in flight while block j is used.
+
+Measured on an H100 (BENCHMARKS.md, thirty-sixth session): 1.2-1.8x the Triton kernel at 8,192 tokens (CSA
+118 -> 209 TFLOP/s), V4's prefill step 8-11% faster.
+
+The keys are one run (the three sources one after another, a block may straddle two), so the online
+softmax meets other key blocks than the Triton kernel's: the same result within rounding, not bit for bit.
+Batch-invariant mode keeps the Triton kernel (its key blocks are aligned to the query's position).
+
+Hopper only (wgmma): SM100's tensor cores take tcgen05 instead, and there the Triton kernel runs. Gluon has
+no interpreter: CPU tests compile this kernel for sm_90 (tests/test_kernels_compile.py); its results are
+checked on a GPU (tests/test_kernels_sparse_attention_wgmma.py, scripts/check_kernels_gpu.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+__all__ = ["HEADS", "HEAD_DIM", "wgmma_attention", "wgmma_attention_supported"]
+
+HEADS = gl.constexpr(64)  # query heads a program (one warp group's MMA rows)
+HEAD_DIM = gl.constexpr(512)  # DeepSeek-V4's shared KV head
+KEYS = gl.constexpr(32)  # keys a block
+BUFFERS = gl.constexpr(4)  # block j's value product, block j + 1's scores, blocks j + 2, j + 3's copies
+WARPS = 8
+Q_ROWS = gl.constexpr(16)  # heads a pass of the query's norm and rotation (registers)
+
+
+@gluon.jit
+def _runs(j, run):
+    """Whether keys j (a vector in any layout) are ring positions lo.. (cached) or this step's rows (fresh);
+    run: the token's key run (`_wgmma_attention_kernel`)."""
+    t, start, ctx, lo, step_lo, n_window, n_cached_and_step, total, visible, slot, table = run
+    return (j >= 0) & (j < n_window), (j >= n_window) & (j < n_cached_and_step)
+
+
+@gluon.jit
+def _entries(j, run, src, HAS_SELECTED: gl.constexpr):
+    """The compressed entries keys j stand for (all visible ones, or the indexer's selection) and whether
+    they are ones; src: the key sources' pointers and strides."""
+    t, start, ctx, lo, step_lo, n_window, n_cached_and_step, total, visible, slot, table = run
+    kv_ptr, window_ptr, entries_ptr, selected_ptr, stride_kv, stride_ws, stride_wp, stride_eb, stride_eo, \
+        stride_sel = src
+    e = j - n_cached_and_step
+    entry = (j >= n_cached_and_step) & (j < total)
+    if HAS_SELECTED:
+        w = gl.load(selected_ptr + t.to(gl.int64) * stride_sel + e, mask=entry, other=-1).to(gl.int32)
+        entry = entry & (w >= 0) & (w < visible)
+    else:
+        w = e
+    return w, entry
+
+
+@gluon.jit
+def _visible_keys(j, run, src, HAS_SELECTED: gl.constexpr):
+    """Whether keys j are keys of the run (`_key_rows`' mask, without the addresses)."""
+    cached, fresh = _runs(j, run)
+    _, entry = _entries(j, run, src, HAS_SELECTED)
+    return cached | fresh | entry
+
+
+@gluon.jit
+def _key_rows(j, run, src, HAS_SELECTED: gl.constexpr, RING: gl.constexpr, PER_BLOCK: gl.constexpr):
+    """Row pointers of keys j and whether each is visible: the ring's, this step's rows', the paged entries'."""
+    t, start, ctx, lo, step_lo, n_window, n_cached_and_step, total, visible, slot, table = run
+    kv_ptr, window_ptr, entries_ptr, selected_ptr, stride_kv, stride_ws, stride_wp, stride_eb, stride_eo, \
+        stride_sel = src
+    cached, fresh = _runs(j, run)
+    w, entry = _entries(j, run, src, HAS_SELECTED)
+    block = gl.load(table + w // PER_BLOCK, mask=entry, other=0).to(gl.int64)
+    ring_row = window_ptr + slot * stride_ws + ((lo + j) % RING).to(gl.int64) * stride_wp
+    step_row = kv_ptr + (start + step_lo + (j - n_window) - ctx).to(gl.int64) * stride_kv
+    entry_row = entries_ptr + block * stride_eb + (w % PER_BLOCK).to(gl.int64) * stride_eo
+    row = gl.where(cached, ring_row, gl.where(fresh, step_row, entry_row))
+    return row, cached | fresh | entry
+
+
+@gluon.jit
+def _rotation(position, freq_ptr, D, rope_half, SIGN: gl.constexpr, ROPE_BLOCK: gl.constexpr, layout: gl.constexpr):
+    """Channels D - ROPE_BLOCK.. of a [rows, ROPE_BLOCK] tile in `layout`, whether each is rotated, and the
+    cos / sin each channel's rotation takes (rounded to bf16 as `rope.rotate_tile`; sin signed for
+    a cos - b sin on even channels, b cos + a sin on odd), once a program: cos / sin are many instructions."""
+    cols = D - ROPE_BLOCK + gl.arange(0, ROPE_BLOCK, layout=gl.SliceLayout(0, layout))
+    first = D - 2 * rope_half
+    rotated = cols >= first
+    angle = position.to(gl.float32) * gl.load(freq_ptr + (cols - first) // 2, mask=rotated, other=0.0)
+    cos = gl.cos(angle).to(gl.bfloat16).to(gl.float32)
+    sin = (SIGN * gl.sin(angle)).to(gl.bfloat16).to(gl.float32)
+    return cols, rotated, cos, gl.where(cols % 2 == 0, -sin, sin)
+
+
+@gluon.jit
+def _rotate(x, partner, rotated, cos, sin):
+    """x's rotated channels (partner: each channel's pair mate), in x's dtype."""
+    out = (x.to(gl.float32) * cos[None, :] + partner.to(gl.float32) * sin[None, :]).to(x.dtype)
+    return gl.where(rotated[None, :], out, x)
+
+
+@gluon.jit
+def _stage_query(q_smem, inv_smem, q_ptr, t, h0, H, position, freq_ptr, rope_half, q_eps, stride_qt, stride_qh,
+                 D: gl.constexpr, ROTARY: gl.constexpr, Q_NORM: gl.constexpr, ROPE_BLOCK: gl.constexpr,
+                 num_warps: gl.constexpr):
+    """The token's query heads h0.. into shared memory, normalised and rotated as `KernelOps.rotary_attention`
+    asks: whole rows Q_ROWS heads at a time (a [64, 512] block in registers would spill), then the rotated
+    channels of all heads over them."""
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, rows_layout))
+    for part in gl.static_range(HEADS // Q_ROWS):
+        heads = h0 + part * Q_ROWS + gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, rows_layout))
+        x = gl.load(q_ptr + t.to(gl.int64) * stride_qt + heads[:, None] * stride_qh + cols[None, :],
+                    mask=(heads < H)[:, None], other=0.0)
+        if Q_NORM:  # as rms_norm without a weight: float32, rounded to q's dtype
+            x32 = x.to(gl.float32)
+            inv = gl.rsqrt(gl.sum(x32 * x32, axis=1) / D + q_eps)
+            x = (x32 * inv[:, None]).to(x.dtype)
+            inv_smem.slice(part * Q_ROWS, Q_ROWS).store(inv)
+        q_smem.slice(part * Q_ROWS, Q_ROWS).store(x)
+    if ROTARY:
+        # each channel's pair mate read again from memory (not a register of this thread's): 1/8 of the row
+        gl.thread_barrier()
+        rope_layout: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [num_warps, 1], [1, 0])
+        rope_cols, rotated, cos, sin = _rotation(position, freq_ptr, D, rope_half, 1.0, ROPE_BLOCK, rope_layout)
+        heads = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, rope_layout))
+        base = q_ptr + t.to(gl.int64) * stride_qt + heads[:, None] * stride_qh
+        live = (heads < H)[:, None]
+        x = gl.load(base + rope_cols[None, :], mask=live, other=0.0)
+        partner = gl.load(base + (rope_cols ^ 1)[None, :], mask=live, other=0.0)
+        if Q_NORM:
+            inv = inv_smem.load(gl.SliceLayout(1, rope_layout))[:, None]
+            x = (x.to(gl.float32) * inv).to(x.dtype)
+            partner = (partner.to(gl.float32) * inv).to(x.dtype)
+        q_smem.slice(D - ROPE_BLOCK, ROPE_BLOCK, dim=1).store(_rotate(x, partner, rotated, cos, sin))
+
+
+@gluon.jit
+def _copy_keys(k_smem, j0, run, src, HAS_SELECTED: gl.constexpr, RING: gl.constexpr, PER_BLOCK: gl.constexpr,
+               D: gl.constexpr, num_warps: gl.constexpr):
+    """cp.async of key block j0.. into k_smem, 16 bytes a copy (the caller commits the group); keys past the
+    end or not visible are zeros (their scores are masked, and a zero row cannot turn a masked product into
+    NaN). One key a thread: a row's address costs tens of integer instructions."""
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    j = j0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, copy_layout))
+    row, ok = _key_rows(j, run, src, HAS_SELECTED, RING, PER_BLOCK)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, copy_layout))
+    async_copy.async_copy_global_to_shared(k_smem, row[:, None] + cols[None, :], mask=ok[:, None])
+
+
+@gluon.jit
+def _softmax(s, j0, m_i, l_part, scale, run, src, HAS_SELECTED: gl.constexpr, s_layout: gl.constexpr):
+    """One key block's probabilities (float32, masked), the new running max, its rescaling factor and
+    the per-thread partial row sums (reduced once, after the last block). Logits rounded as the reference
+    forms them in bf16: the product, then the scaled product."""
+    ok = _visible_keys(j0 + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout)), run, src, HAS_SELECTED)
+    s = (s.to(gl.bfloat16).to(gl.float32) * scale).to(gl.bfloat16).to(gl.float32)
+    s = gl.where(ok[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    alpha = gl.exp(m_i - m_new)
+    p = gl.exp(s - m_new[:, None])
+    return p, m_new, alpha, l_part * alpha[:, None] + p
+
+
+@gluon.jit
+def _attend_block(s, j, blocks, acc, m_i, l_part, scale, k_smem, p_smem, run, src, HAS_SELECTED: gl.constexpr,
+                  RING: gl.constexpr, PER_BLOCK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                  D: gl.constexpr, num_warps: gl.constexpr):
+    """Key block j from its scores s: softmax; the output rescaled once block j - 1's value product is done
+    (block j + 1's scores, issued after it, are waited for with it); the probabilities into shared memory;
+    block j + 3's copy into block j - 1's buffer; then block j's value product, left running."""
+    p, m_i, alpha, l_part = _softmax(s, j * KEYS, m_i, l_part, scale, run, src, HAS_SELECTED, s_layout)
+    # (waiting for block j - 1's product alone, block j + 1's scores left running, made ptxas serialise every
+    # wgmma of the kernel: its warning C7514)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_buffer = p_smem.index(j % 2)
+    p_buffer.store(p.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()  # both groups' probabilities stored, every value product up to block j - 1 done
+    ahead = j + BUFFERS - 1
+    if ahead < blocks:  # into block j - 1's buffer, free now
+        _copy_keys(k_smem.index(ahead % BUFFERS), ahead * KEYS, run, src, HAS_SELECTED, RING, PER_BLOCK, D,
+                   num_warps)
+    async_copy.commit_group()  # (maybe empty: one group a block keeps the waits' counts)
+    acc = warpgroup_mma(p_buffer, k_smem.index(j % BUFFERS), acc, is_async=True)
+    return acc, m_i, l_part
+
+
+@gluon.jit
+def _wgmma_attention_kernel(
+    q_ptr, kv_ptr, window_ptr, sinks_ptr, entries_ptr, selected_ptr, out_ptr,
+    token_seq_ptr, query_start_ptr, context_lens_ptr, slot_ids_ptr, block_tables_ptr, positions_ptr, window_starts_ptr,
+    freq_ptr, H, ratio, top_k, scale, rope_half, q_eps,
+    stride_qt, stride_qh, stride_kv, stride_ws, stride_wp, stride_eb, stride_eo, stride_sel, stride_bt,
+    stride_ot, stride_oh,
+    HAS_ENTRIES: gl.constexpr, HAS_SELECTED: gl.constexpr, HAS_WINDOW_STARTS: gl.constexpr, RING: gl.constexpr,
+    PER_BLOCK: gl.constexpr, ROTARY: gl.constexpr, Q_NORM: gl.constexpr, ROPE_BLOCK: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    D: gl.constexpr = HEAD_DIM
+    # Scores [64, 32] and output [64, 512]: warp group g holds columns of half g of each (warps [4, 2]).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, KEYS // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, D // 2, 16])
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, D], gl.NVMMASharedLayout.get_default_for(
+        [HEADS, D], gl.bfloat16))
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [BUFFERS, KEYS, D], gl.NVMMASharedLayout.get_default_for(
+        [KEYS, D], gl.bfloat16))
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HEADS, KEYS], gl.NVMMASharedLayout.get_default_for(
+        [HEADS, KEYS], gl.bfloat16))
+    inv_smem = gl.allocate_shared_memory(gl.float32, [HEADS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+    t = gl.program_id(0)
+    h0 = gl.program_id(1) * HEADS
+    seq = gl.load(token_seq_ptr + t)
+    start = gl.load(query_start_ptr + seq)
+    ctx = gl.load(context_lens_ptr + seq)
+    slot = gl.load(slot_ids_ptr + seq).to(gl.int64)
+    pos = gl.load(positions_ptr + t).to(gl.int32)
+    lo = gl.maximum(pos - RING + 1, 0)
+    if HAS_WINDOW_STARTS:  # bounded prefix replay: no window KV below the sequence's replay start
+        lo = gl.maximum(lo, gl.load(window_starts_ptr + seq))
+    # the key run: ring positions lo..ctx-1, this step's rows step_lo..pos, then the compressed entries
+    step_lo = gl.maximum(lo, ctx)
+    n_window = gl.maximum(ctx - lo, 0)
+    n_cached_and_step = n_window + gl.maximum(pos + 1 - step_lo, 0)
+    visible = (pos + 1) // ratio
+    total = n_cached_and_step
+    if HAS_ENTRIES:
+        if HAS_SELECTED:
+            total += top_k
+        else:
+            total += visible
+    table = block_tables_ptr + seq.to(gl.int64) * stride_bt
+    blocks = gl.cdiv(total, KEYS)
+    run = (t, start, ctx, lo, step_lo, n_window, n_cached_and_step, total, visible, slot, table)
+    src = (kv_ptr, window_ptr, entries_ptr, selected_ptr, stride_kv, stride_ws, stride_wp, stride_eb, stride_eo,
+           stride_sel)
+
+    for b in gl.static_range(BUFFERS - 1):  # blocks 0.. in flight while the query is staged
+        _copy_keys(k_smem.index(b), b * KEYS, run, src, HAS_SELECTED, RING, PER_BLOCK, D, num_warps)
+        async_copy.commit_group()
+    _stage_query(q_smem, inv_smem, q_ptr, t, h0, H, pos, freq_ptr, rope_half, q_eps, stride_qt, stride_qh, D,
+                 ROTARY, Q_NORM, ROPE_BLOCK, num_warps)
+    async_copy.wait_group(BUFFERS - 2)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    zero_s = gl.zeros([HEADS, KEYS], gl.float32, s_layout)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    heads = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, s_layout))
+    # the sink starts the running max and sum (its probability is dropped)
+    m_i = gl.load(sinks_ptr + heads, mask=heads < H, other=0.0).to(gl.float32)
+    sink = m_i
+    l_part = gl.zeros([HEADS, KEYS], gl.float32, s_layout)
+    acc = warpgroup_mma_init(gl.zeros([HEADS, D], gl.float32, o_layout))
+    for j in range(blocks - 1):
+        # s: block j's scores, its keys in buffer j % 4; blocks j + 1, j + 2's copies in flight
+        async_copy.wait_group(BUFFERS - 3)
+        fence_async_shared()
+        gl.thread_barrier()
+        s_next = warpgroup_mma(q_smem, k_smem.index((j + 1) % BUFFERS).permute((1, 0)), zero_s,
+                               use_acc=False, is_async=True)
+        acc, m_i, l_part = _attend_block(s, j, blocks, acc, m_i, l_part, scale, k_smem, p_smem, run, src,
+                                         HAS_SELECTED, RING, PER_BLOCK, s_layout, o_layout, D, num_warps)
+        s = warpgroup_mma_wait(1, deps=(s_next,))  # block j + 1's scores; block j's value product may run on
+    acc, m_i, l_part = _attend_block(s, blocks - 1, blocks, acc, m_i, l_part, scale, k_smem, p_smem, run, src,
+                                     HAS_SELECTED, RING, PER_BLOCK, s_layout, o_layout, D, num_warps)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+
+    total_p = gl.sum(l_part, axis=1) + gl.exp(sink - m_i)
+    out = (acc / gl.convert_layout(total_p, gl.SliceLayout(1, o_layout))[:, None]).to(out_ptr.dtype.element_ty)
+    # through shared memory (the query's, free now), for 16-byte stores of whole rows
+    q_smem.store(out)
+    gl.thread_barrier()
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    out = q_smem.load(store_layout)
+    rows = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, store_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, store_layout))
+    out_rows = out_ptr + t.to(gl.int64) * stride_ot + rows[:, None] * stride_oh
+    gl.store(out_rows + cols[None, :], out, mask=(rows < H)[:, None])
+    if ROTARY:
+        # De-rotate the rotated channels in place: each thread reads both channels of its pairs, then writes
+        # them, so no thread overwrites what another has still to read.
+        gl.thread_barrier()
+        rope_layout: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [num_warps, 1], [1, 0])
+        rope_cols, rotated, cos, sin = _rotation(pos, freq_ptr, D, rope_half, -1.0, ROPE_BLOCK, rope_layout)
+        rows = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, rope_layout))
+        out_rows = out_ptr + t.to(gl.int64) * stride_ot + rows[:, None] * stride_oh
+        live = (rows < H)[:, None]
+        x = gl.load(out_rows + rope_cols[None, :], mask=live, other=0.0)
+        partner = gl.load(out_rows + (rope_cols ^ 1)[None, :], mask=live, other=0.0)
+        gl.store(out_rows + rope_cols[None, :], _rotate(x, partner, rotated, cos, sin), mask=live)
+
+
+def wgmma_attention_supported(q: torch.Tensor, kv: torch.Tensor, window: torch.Tensor, entries: torch.Tensor | None,
+                              rope_half: int) -> bool:
+    """Whether this kernel takes the step: a Hopper GPU, bf16 query and keys from every source, head dim
+    HEAD_DIM, the rotated channels within it, key rows on 16-byte boundaries (cp.async copies 16 bytes)."""
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    sources = (kv, window) if entries is None else (kv, window, entries)
+    return (q.dtype == torch.bfloat16 and q.shape[-1] == HEAD_DIM.value and 2 * rope_half <= HEAD_DIM.value
+            and all(x.dtype == torch.bfloat16 and _rows_aligned(x) for x in sources))
+
+
+def _rows_aligned(x: torch.Tensor) -> bool:
+    return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(stride % 8 == 0 for stride in x.stride()[:-1])
+
+
+def wgmma_attention(q, kv, window, sinks, scale, batch, out, token_seq, window_starts, entries, ratio, selected,
+                    freq, rope_half, q_norm_eps) -> None:
+    """`sparse_attention`'s prefill launch into `out` (arguments as there: entries / selected may be None;
+    freq / rope_half: the rotation, rope_half = 0 for none)."""
+    tokens, heads, dim = q.shape
+    has_entries = entries is not None
+    entries_arg = entries if has_entries else kv
+    selected_arg = selected if selected is not None else token_seq
+    rope_block = triton.next_power_of_2(max(2 * rope_half, 2))
+    # launched without programmatic dependent launch (as measured): the stream orders it after the kernel before
+    _wgmma_attention_kernel[(tokens, triton.cdiv(heads, HEADS))](
+        q, kv, window, sinks, entries_arg, selected_arg, out,
+        token_seq, batch.query_start_loc, batch.context_lens, batch.slot_ids, batch.block_tables, batch.positions,
+        window_starts, freq, heads, max(ratio, 1), selected.shape[1] if selected is not None else 0, scale, rope_half,
+        q_norm_eps or 0.0,
+        q.stride(0), q.stride(1), kv.stride(0), window.stride(0), window.stride(1),
+        entries_arg.stride(0), entries_arg.stride(1) if has_entries else 0,
+        selected_arg.stride(0), batch.block_tables.stride(0), out.stride(0), out.stride(1),
+        HAS_ENTRIES=has_entries, HAS_SELECTED=selected is not None,
+        HAS_WINDOW_STARTS=batch.window_starts_cpu is not None, RING=window.shape[1],
+        PER_BLOCK=entries.shape[1] if has_entries else 1, ROTARY=rope_half > 0,
+        Q_NORM=q_norm_eps is not None, ROPE_BLOCK=rope_block, num_warps=WARPS,
+    )
