@@ -66,9 +66,13 @@ def test_concurrent_streams_equal_requests_run_alone(server):
     assert len({text for text, _ in alone}) > NUM_STREAMS // 2  # distinct prompts, distinct answers
 
 
-def test_client_leaving_mid_stream_frees_its_blocks(server):
-    # EOS ignored and a long answer: the request is still running when the client looks, however slowly a
-    # loaded machine lets it read (a 64-token answer once finished before the client looked, and held no blocks)
+def test_client_leaving_mid_stream_frees_its_blocks(server, monkeypatch):
+    # EOS ignored, a long answer and each engine step slowed by 10 ms: the request is still running when the
+    # client looks, however slowly a loaded machine lets it read (a 64-token answer, and once on a loaded CI
+    # machine a 1,000-token one at full speed, finished before the client looked and held no blocks)
+    engine = server.state.engine.engine
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.01), step())[1])
     with httpx.Client(base_url=server.base_url, timeout=120) as http:
         before = http.get("/metrics").text
         body = {"model": MODEL, "prompt": "a long answer", "max_tokens": LEAVING_MAX_TOKENS, "ignore_eos": True,
