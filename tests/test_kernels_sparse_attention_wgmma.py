@@ -10,6 +10,7 @@ import torch
 from kernel_checks import assert_matches
 
 from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_core.platform.conformance import _to_device as to_device
 from deepinfer_core.platform.kernel_ops import KernelOps
 from deepinfer_kernels import sparse_attention as attention_module
 from deepinfer_kernels.sparse_attention_wgmma import wgmma_attention_supported
@@ -30,23 +31,13 @@ def test_only_hopper_bf16_steps_of_the_kv_head_it_was_written_for_are_taken():
         assert not wgmma_attention_supported(cuda[..., :256], kv.cuda(), kv.cuda(), None, 32)
 
 
-def _batch(query_lens: list[int], context_lens: list[int], gen: torch.Generator, device) -> ForwardBatch:
+def _batch(make_batch, query_lens: list[int], context_lens: list[int], gen: torch.Generator, device) -> ForwardBatch:
     """Sequences after context_lens cached tokens, shuffled block tables with room for every position."""
     per_seq = max(c + q for q, c in zip(query_lens, context_lens)) // BLOCK_SIZE + 1
     blocks = torch.randperm(per_seq * len(query_lens), generator=gen).tolist()
-    tables = [blocks[i * per_seq:(i + 1) * per_seq] for i in range(len(query_lens))]
-    slots = list(range(len(query_lens)))[::-1]
-    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return ForwardBatch(
-        input_ids=torch.zeros(int(starts[-1]), dtype=torch.long, device=device),
-        positions=torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens)]).to(device),
-        query_start_loc=starts.to(device),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        slot_ids=torch.tensor(slots, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-        logits_indices=(starts[1:].long() - 1).to(device),
-        query_lens_cpu=query_lens, context_lens_cpu=context_lens, slot_ids_cpu=slots, block_tables_cpu=tables,
-    )
+    steps = [(torch.zeros(q, dtype=torch.long), c, len(query_lens) - 1 - i, blocks[i * per_seq:(i + 1) * per_seq])
+             for i, (q, c) in enumerate(zip(query_lens, context_lens))]
+    return to_device(make_batch(steps), device)
 
 
 def _selected(batch: ForwardBatch, top_k: int, gen: torch.Generator) -> torch.Tensor:
@@ -66,12 +57,12 @@ def _selected(batch: ForwardBatch, top_k: int, gen: torch.Generator) -> torch.Te
 @pytest.mark.parametrize("layer", ["sliding", "all_entries", "selected"])
 @pytest.mark.parametrize("rotary", [False, True])
 @pytest.mark.parametrize("replay", [False, True])
-def test_wgmma_prefill_attention_matches_reference(monkeypatch, layer, rotary, replay):
+def test_wgmma_prefill_attention_matches_reference(monkeypatch, make_batch, layer, rotary, replay):
     """A fresh prompt longer than the ring, a continued chunk whose window is in the ring, a short one;
     70 heads (a partial second head block); the bounded replay's window starts."""
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(len(layer) + 2 * rotary + 4 * replay)
-    batch = _batch([600, 300, 37], [0, 517, 90], gen, device)
+    batch = _batch(make_batch, [600, 300, 37], [0, 517, 90], gen, device)
     if replay:
         batch = replace(batch, window_starts_cpu=[0, 480, 60])
     heads, tokens = 70, batch.num_tokens

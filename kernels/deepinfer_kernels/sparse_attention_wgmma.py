@@ -334,13 +334,13 @@ def wgmma_attention(q, kv, window, sinks, scale, batch, out, token_seq, window_s
                     freq, rope_half, q_norm_eps) -> None:
     """`sparse_attention`'s prefill launch into `out` (arguments as there: entries / selected may be None;
     freq / rope_half: the rotation, rope_half = 0 for none)."""
-    tokens, heads, dim = q.shape
+    tokens, heads, _ = q.shape
     has_entries = entries is not None
     entries_arg = entries if has_entries else kv
     selected_arg = selected if selected is not None else token_seq
     rope_block = triton.next_power_of_2(max(2 * rope_half, 2))
     # launched without programmatic dependent launch (as measured): the stream orders it after the kernel before
-    _wgmma_attention_kernel[(tokens, triton.cdiv(heads, HEADS))](
+    _wgmma_attention_kernel[(tokens, triton.cdiv(heads, HEADS.value))](
         q, kv, window, sinks, entries_arg, selected_arg, out,
         token_seq, batch.query_start_loc, batch.context_lens, batch.slot_ids, batch.block_tables, batch.positions,
         window_starts, freq, heads, max(ratio, 1), selected.shape[1] if selected is not None else 0, scale, rope_half,
