@@ -57,19 +57,10 @@ def test_on_from_sm90_unless_turned_off(fresh_options, monkeypatch, capability, 
     assert launch_options(torch.device("cuda", 0)) == expected
 
 
-# Launched without PDL, each for its reason; the stream serialises them as usual and the next kernel's wait covers
-# them (the module's argument), so they may touch memory first.
-WITHOUT_PDL = {
-    # Hopper's Gluon prefill attention: measured on the GPU launched plainly; a PDL launch of it never ran there.
-    "_wgmma_attention_kernel",
-}
-
-
 def _kernels():
     for module in MODULES:
         for name, obj in vars(module).items():
-            if (isinstance(obj, KernelInterface) and name.endswith("_kernel") and obj.fn.__module__ == module.__name__
-                    and name not in WITHOUT_PDL):
+            if isinstance(obj, KernelInterface) and name.endswith("_kernel") and obj.fn.__module__ == module.__name__:
                 yield name, obj
 
 
@@ -93,8 +84,7 @@ def test_every_launch_passes_the_launch_options():
     for module in MODULES:
         for node in ast.walk(ast.parse(inspect.getsource(module))):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id.endswith("_kernel")
-                    and node.func.value.id not in WITHOUT_PDL):
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id.endswith("_kernel")):
                 continue
             launches += 1
             spread = [ast.unparse(k.value) for k in node.keywords if k.arg is None]

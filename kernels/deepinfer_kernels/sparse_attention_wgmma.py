@@ -38,6 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
+
 __all__ = ["HEADS", "HEAD_DIM", "wgmma_attention", "wgmma_attention_supported"]
 
 HEADS = gl.constexpr(64)  # query heads a program (one warp group's MMA rows)
@@ -189,20 +191,23 @@ def _attend_block(s, j, blocks, acc, m_i, l_part, scale, k_smem, p_smem, run, sr
     (block j + 1's scores, issued after it, are waited for with it); the probabilities into shared memory;
     block j + 3's copy into block j - 1's buffer; then block j's value product, left running."""
     p, m_i, alpha, l_part = _softmax(s, j * KEYS, m_i, l_part, scale, run, src, HAS_SELECTED, s_layout)
+    # The probabilities leave before the wait, so the exponentials run while block j + 1's scores are formed
+    # (their buffer was last read by block j - 2's value product, waited for a block ago).
+    p_buffer = p_smem.index(j % 2)
+    p_buffer.store(p.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()  # both groups' probabilities stored
     # (waiting for block j - 1's product alone, block j + 1's scores left running, made ptxas serialise every
     # wgmma of the kernel: its warning C7514)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p_buffer = p_smem.index(j % 2)
-    p_buffer.store(p.to(gl.bfloat16))
-    fence_async_shared()
-    gl.thread_barrier()  # both groups' probabilities stored, every value product up to block j - 1 done
+    acc = warpgroup_mma(p_buffer, k_smem.index(j % BUFFERS), acc, is_async=True)
+    gl.thread_barrier()  # every group's value product of block j - 1 done: its key buffer is free
     ahead = j + BUFFERS - 1
-    if ahead < blocks:  # into block j - 1's buffer, free now
+    if ahead < blocks:
         _copy_keys(k_smem.index(ahead % BUFFERS), ahead * KEYS, run, src, HAS_SELECTED, RING, PER_BLOCK, D,
                    num_warps)
     async_copy.commit_group()  # (maybe empty: one group a block keeps the waits' counts)
-    acc = warpgroup_mma(p_buffer, k_smem.index(j % BUFFERS), acc, is_async=True)
     return acc, m_i, l_part
 
 
@@ -214,9 +219,10 @@ def _wgmma_attention_kernel(
     stride_qt, stride_qh, stride_kv, stride_ws, stride_wp, stride_eb, stride_eo, stride_sel, stride_bt,
     stride_ot, stride_oh,
     HAS_ENTRIES: gl.constexpr, HAS_SELECTED: gl.constexpr, HAS_WINDOW_STARTS: gl.constexpr, RING: gl.constexpr,
-    PER_BLOCK: gl.constexpr, ROTARY: gl.constexpr, Q_NORM: gl.constexpr, ROPE_BLOCK: gl.constexpr,
+    PER_BLOCK: gl.constexpr, ROTARY: gl.constexpr, Q_NORM: gl.constexpr, ROPE_BLOCK: gl.constexpr, PDL: gl.constexpr,
     num_warps: gl.constexpr,
 ):
+    wait_for_previous_grid(PDL)
     D: gl.constexpr = HEAD_DIM
     # Scores [64, 32] and output [64, 512]: warp group g holds columns of half g of each (warps [4, 2]).
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -339,7 +345,6 @@ def wgmma_attention(q, kv, window, sinks, scale, batch, out, token_seq, window_s
     entries_arg = entries if has_entries else kv
     selected_arg = selected if selected is not None else token_seq
     rope_block = triton.next_power_of_2(max(2 * rope_half, 2))
-    # launched without programmatic dependent launch (as measured): the stream orders it after the kernel before
     _wgmma_attention_kernel[(tokens, triton.cdiv(heads, HEADS.value))](
         q, kv, window, sinks, entries_arg, selected_arg, out,
         token_seq, batch.query_start_loc, batch.context_lens, batch.slot_ids, batch.block_tables, batch.positions,
@@ -351,5 +356,5 @@ def wgmma_attention(q, kv, window, sinks, scale, batch, out, token_seq, window_s
         HAS_ENTRIES=has_entries, HAS_SELECTED=selected is not None,
         HAS_WINDOW_STARTS=batch.window_starts_cpu is not None, RING=window.shape[1],
         PER_BLOCK=entries.shape[1] if has_entries else 1, ROTARY=rope_half > 0,
-        Q_NORM=q_norm_eps is not None, ROPE_BLOCK=rope_block, num_warps=WARPS,
+        Q_NORM=q_norm_eps is not None, ROPE_BLOCK=rope_block, num_warps=WARPS, **launch_options(q.device),
     )
