@@ -51,46 +51,40 @@ Q_ROWS = gl.constexpr(16)  # heads a pass of the query's norm and rotation (regi
 
 
 @gluon.jit
-def _runs(j, run):
-    """Whether keys j (a vector in any layout) are ring positions lo.. (cached) or this step's rows (fresh);
-    run: the token's key run (`_wgmma_attention_kernel`)."""
-    t, start, ctx, lo, step_lo, n_window, n_cached_and_step, total, visible, slot, table = run
-    return (j >= 0) & (j < n_window), (j >= n_window) & (j < n_cached_and_step)
+def _block_keys(j0, num_warps: gl.constexpr):
+    """Key block j0..'s positions in the key run, one key a thread of the copy (a row's address costs tens of
+    integer instructions)."""
+    return j0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])))
 
 
 @gluon.jit
-def _entries(j, run, src, HAS_SELECTED: gl.constexpr):
-    """The compressed entries keys j stand for (all visible ones, or the indexer's selection) and whether
-    they are ones; src: the key sources' pointers and strides."""
+def _picks(j, run, src, HAS_SELECTED: gl.constexpr):
+    """The compressed entries keys j would stand for: the indexer's picks (a load, asked for a block before
+    `_key_rows` needs them: the block table's load depends on them) or the visible entries in order.
+    run: the token's key run (`_wgmma_attention_kernel`); src: the key sources' pointers and strides."""
     t, start, ctx, lo, step_lo, n_window, n_cached_and_step, total, visible, slot, table = run
     kv_ptr, window_ptr, entries_ptr, selected_ptr, stride_kv, stride_ws, stride_wp, stride_eb, stride_eo, \
         stride_sel = src
     e = j - n_cached_and_step
-    entry = (j >= n_cached_and_step) & (j < total)
     if HAS_SELECTED:
-        w = gl.load(selected_ptr + t.to(gl.int64) * stride_sel + e, mask=entry, other=-1).to(gl.int32)
-        entry = entry & (w >= 0) & (w < visible)
+        entry = (j >= n_cached_and_step) & (j < total)
+        return gl.load(selected_ptr + t.to(gl.int64) * stride_sel + e, mask=entry, other=-1).to(gl.int32)
     else:
-        w = e
-    return w, entry
+        return e
 
 
 @gluon.jit
-def _visible_keys(j, run, src, HAS_SELECTED: gl.constexpr):
-    """Whether keys j are keys of the run (`_key_rows`' mask, without the addresses)."""
-    cached, fresh = _runs(j, run)
-    _, entry = _entries(j, run, src, HAS_SELECTED)
-    return cached | fresh | entry
-
-
-@gluon.jit
-def _key_rows(j, run, src, HAS_SELECTED: gl.constexpr, RING: gl.constexpr, PER_BLOCK: gl.constexpr):
-    """Row pointers of keys j and whether each is visible: the ring's, this step's rows', the paged entries'."""
+def _key_rows(j, w, run, src, HAS_SELECTED: gl.constexpr, RING: gl.constexpr, PER_BLOCK: gl.constexpr):
+    """Row pointers of keys j (w: their `_picks`) and whether each is visible: ring positions lo.. (cached),
+    this step's rows (fresh), then the compressed entries through the block table."""
     t, start, ctx, lo, step_lo, n_window, n_cached_and_step, total, visible, slot, table = run
     kv_ptr, window_ptr, entries_ptr, selected_ptr, stride_kv, stride_ws, stride_wp, stride_eb, stride_eo, \
         stride_sel = src
-    cached, fresh = _runs(j, run)
-    w, entry = _entries(j, run, src, HAS_SELECTED)
+    cached = (j >= 0) & (j < n_window)
+    fresh = (j >= n_window) & (j < n_cached_and_step)
+    entry = (j >= n_cached_and_step) & (j < total)
+    if HAS_SELECTED:
+        entry = entry & (w >= 0) & (w < visible)
     block = gl.load(table + w // PER_BLOCK, mask=entry, other=0).to(gl.int64)
     ring_row = window_ptr + slot * stride_ws + ((lo + j) % RING).to(gl.int64) * stride_wp
     step_row = kv_ptr + (start + step_lo + (j - n_window) - ctx).to(gl.int64) * stride_kv
@@ -157,24 +151,21 @@ def _stage_query(q_smem, inv_smem, q_ptr, t, h0, H, position, freq_ptr, rope_hal
 
 
 @gluon.jit
-def _copy_keys(k_smem, j0, run, src, HAS_SELECTED: gl.constexpr, RING: gl.constexpr, PER_BLOCK: gl.constexpr,
-               D: gl.constexpr, num_warps: gl.constexpr):
-    """cp.async of key block j0.. into k_smem, 16 bytes a copy (the caller commits the group); keys past the
-    end or not visible are zeros (their scores are masked, and a zero row cannot turn a masked product into
-    NaN). One key a thread: a row's address costs tens of integer instructions."""
+def _copy_keys(k_buffer, mask_buffer, row, ok, D: gl.constexpr, num_warps: gl.constexpr):
+    """cp.async of a key block into k_buffer, 16 bytes a copy (the caller commits the group), and its visibility
+    into mask_buffer for the softmax; keys past the end or not visible are zeros (their scores are masked, and
+    a zero row cannot turn a masked product into NaN)."""
     copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    j = j0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, copy_layout))
-    row, ok = _key_rows(j, run, src, HAS_SELECTED, RING, PER_BLOCK)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, copy_layout))
-    async_copy.async_copy_global_to_shared(k_smem, row[:, None] + cols[None, :], mask=ok[:, None])
+    async_copy.async_copy_global_to_shared(k_buffer, row[:, None] + cols[None, :], mask=ok[:, None])
+    mask_buffer.store(ok.to(gl.int8))
 
 
 @gluon.jit
-def _softmax(s, j0, m_i, l_part, scale, run, src, HAS_SELECTED: gl.constexpr, s_layout: gl.constexpr):
+def _softmax(s, ok, m_i, l_part, scale):
     """One key block's probabilities (float32, masked), the new running max, its rescaling factor and
     the per-thread partial row sums (reduced once, after the last block). Logits rounded as the reference
     forms them in bf16: the product, then the scaled product."""
-    ok = _visible_keys(j0 + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout)), run, src, HAS_SELECTED)
     s = (s.to(gl.bfloat16).to(gl.float32) * scale).to(gl.bfloat16).to(gl.float32)
     s = gl.where(ok[None, :], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -184,30 +175,23 @@ def _softmax(s, j0, m_i, l_part, scale, run, src, HAS_SELECTED: gl.constexpr, s_
 
 
 @gluon.jit
-def _attend_block(s, j, blocks, acc, m_i, l_part, scale, k_smem, p_smem, run, src, HAS_SELECTED: gl.constexpr,
-                  RING: gl.constexpr, PER_BLOCK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                  D: gl.constexpr, num_warps: gl.constexpr):
-    """Key block j from its scores s: softmax; the output rescaled once block j - 1's value product is done
-    (block j + 1's scores, issued after it, are waited for with it); the probabilities into shared memory;
-    block j + 3's copy into block j - 1's buffer; then block j's value product, left running."""
-    p, m_i, alpha, l_part = _softmax(s, j * KEYS, m_i, l_part, scale, run, src, HAS_SELECTED, s_layout)
-    # The probabilities leave before the wait, so the exponentials run while block j + 1's scores are formed
-    # (their buffer was last read by block j - 2's value product, waited for a block ago).
-    p_buffer = p_smem.index(j % 2)
+def _attend_block(s, j, acc, m_i, l_part, scale, k_smem, p_smem, mask_smem, s_layout: gl.constexpr,
+                  o_layout: gl.constexpr):
+    """Key block j from its scores s: softmax and the probabilities into shared memory (while block j + 1's
+    scores are formed); the output rescaled once block j - 1's value product is done; then block j's value
+    product, left running. Returns with every group's product of block j - 1 done (its key buffer free)."""
+    ok = mask_smem.index(j % BUFFERS).load(gl.SliceLayout(0, s_layout)) != 0
+    p, m_i, alpha, l_part = _softmax(s, ok, m_i, l_part, scale)
+    p_buffer = p_smem.index(j % 2)  # last read by block j - 2's value product, waited for a block ago
     p_buffer.store(p.to(gl.bfloat16))
     fence_async_shared()
     gl.thread_barrier()  # both groups' probabilities stored
     # (waiting for block j - 1's product alone, block j + 1's scores left running, made ptxas serialise every
-    # wgmma of the kernel: its warning C7514)
+    # wgmma of the kernel for want of registers: its warning C7511)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     acc = warpgroup_mma(p_buffer, k_smem.index(j % BUFFERS), acc, is_async=True)
-    gl.thread_barrier()  # every group's value product of block j - 1 done: its key buffer is free
-    ahead = j + BUFFERS - 1
-    if ahead < blocks:
-        _copy_keys(k_smem.index(ahead % BUFFERS), ahead * KEYS, run, src, HAS_SELECTED, RING, PER_BLOCK, D,
-                   num_warps)
-    async_copy.commit_group()  # (maybe empty: one group a block keeps the waits' counts)
+    gl.thread_barrier()
     return acc, m_i, l_part
 
 
@@ -236,6 +220,7 @@ def _wgmma_attention_kernel(
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HEADS, KEYS], gl.NVMMASharedLayout.get_default_for(
         [HEADS, KEYS], gl.bfloat16))
     inv_smem = gl.allocate_shared_memory(gl.float32, [HEADS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    mask_smem = gl.allocate_shared_memory(gl.int8, [BUFFERS, KEYS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     t = gl.program_id(0)
     h0 = gl.program_id(1) * HEADS
@@ -265,7 +250,9 @@ def _wgmma_attention_kernel(
            stride_sel)
 
     for b in gl.static_range(BUFFERS - 1):  # blocks 0.. in flight while the query is staged
-        _copy_keys(k_smem.index(b), b * KEYS, run, src, HAS_SELECTED, RING, PER_BLOCK, D, num_warps)
+        j = _block_keys(b * KEYS, num_warps)
+        row, ok = _key_rows(j, _picks(j, run, src, HAS_SELECTED), run, src, HAS_SELECTED, RING, PER_BLOCK)
+        _copy_keys(k_smem.index(b), mask_smem.index(b), row, ok, D, num_warps)
         async_copy.commit_group()
     _stage_query(q_smem, inv_smem, q_ptr, t, h0, H, pos, freq_ptr, rope_half, q_eps, stride_qt, stride_qh, D,
                  ROTARY, Q_NORM, ROPE_BLOCK, num_warps)
@@ -273,6 +260,7 @@ def _wgmma_attention_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
+    picks = _picks(_block_keys((BUFFERS - 1) * KEYS, num_warps), run, src, HAS_SELECTED)
     zero_s = gl.zeros([HEADS, KEYS], gl.float32, s_layout)
     s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
@@ -284,16 +272,25 @@ def _wgmma_attention_kernel(
     acc = warpgroup_mma_init(gl.zeros([HEADS, D], gl.float32, o_layout))
     for j in range(blocks - 1):
         # s: block j's scores, its keys in buffer j % 4; blocks j + 1, j + 2's copies in flight
+        # block j + 3, copied at the end of this iteration into block j - 1's buffer: its rows now (the block
+        # table's load overlaps the scores and the softmax), the next block's picks for the next iteration
+        ahead = j + BUFFERS - 1
+        keys = _block_keys(ahead * KEYS, num_warps)
+        row, ok = _key_rows(keys, picks, run, src, HAS_SELECTED, RING, PER_BLOCK)
+        picks = _picks(keys + KEYS, run, src, HAS_SELECTED)
         async_copy.wait_group(BUFFERS - 3)
         fence_async_shared()
         gl.thread_barrier()
         s_next = warpgroup_mma(q_smem, k_smem.index((j + 1) % BUFFERS).permute((1, 0)), zero_s,
                                use_acc=False, is_async=True)
-        acc, m_i, l_part = _attend_block(s, j, blocks, acc, m_i, l_part, scale, k_smem, p_smem, run, src,
-                                         HAS_SELECTED, RING, PER_BLOCK, s_layout, o_layout, D, num_warps)
+        acc, m_i, l_part = _attend_block(s, j, acc, m_i, l_part, scale, k_smem, p_smem, mask_smem, s_layout,
+                                         o_layout)
+        if ahead < blocks:
+            _copy_keys(k_smem.index(ahead % BUFFERS), mask_smem.index(ahead % BUFFERS), row, ok, D, num_warps)
+        async_copy.commit_group()  # (maybe empty: one group a block keeps the waits' counts)
         s = warpgroup_mma_wait(1, deps=(s_next,))  # block j + 1's scores; block j's value product may run on
-    acc, m_i, l_part = _attend_block(s, blocks - 1, blocks, acc, m_i, l_part, scale, k_smem, p_smem, run, src,
-                                     HAS_SELECTED, RING, PER_BLOCK, s_layout, o_layout, D, num_warps)
+    acc, m_i, l_part = _attend_block(s, blocks - 1, acc, m_i, l_part, scale, k_smem, p_smem, mask_smem, s_layout,
+                                     o_layout)
     acc = warpgroup_mma_wait(0, deps=(acc,))
 
     total_p = gl.sum(l_part, axis=1) + gl.exp(sink - m_i)
