@@ -10,10 +10,14 @@ forming the same scores; it reached ~100 TFLOP/s (BENCHMARKS.md, thirteenth sess
 - the scores of key block j + 1 are issued (asynchronous wgmma) before block j's softmax, and block j's
   value product runs while block j + 1's scores are read, so the tensor cores work through the softmax;
 - keys are gathered (window ring, this step's rows, compressed entries through the block table) by
-  cp.async into a ring of four key buffers, blocks j + 2 and j + 3 in flight while block j is used.
+  cp.async into a ring of four key buffers, blocks j + 2 and j + 3 in flight while block j is used; a block's
+  row addresses are asked for at the top of the iteration that copies it and the indexer's picks an iteration
+  before that (the block table's load depends on them: waiting for the two loads in a row was the loop's
+  largest stall), and the copy leaves each key's visibility in shared memory for the softmax;
+- a row's maximum is each warp group's half within its warps, then one exchange through shared memory.
 
-Measured on an H100 (BENCHMARKS.md, thirty-sixth session): 1.2-1.8x the Triton kernel at 8,192 tokens (CSA
-118 -> 209 TFLOP/s), V4's prefill step 8-11% faster.
+Measured on an H100 (BENCHMARKS.md, thirty-sixth and thirty-seventh sessions): 1.2-2.0x the Triton kernel at
+8,192 tokens (CSA 118 -> 237 TFLOP/s), V4's prefill step ~10% faster.
 
 The keys are one run (the three sources one after another, a block may straddle two), so the online
 softmax meets other key blocks than the Triton kernel's: the same result within rounding, not bit for bit.
@@ -48,13 +52,14 @@ KEYS = gl.constexpr(32)  # keys a block
 BUFFERS = gl.constexpr(4)  # block j's value product, block j + 1's scores, blocks j + 2, j + 3's copies
 WARPS = 8
 Q_ROWS = gl.constexpr(16)  # heads a pass of the query's norm and rotation (registers)
+# key copies: one key a thread of a row of eight (a row's address costs tens of integer instructions)
+COPY_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0]))
 
 
 @gluon.jit
-def _block_keys(j0, num_warps: gl.constexpr):
-    """Key block j0..'s positions in the key run, one key a thread of the copy (a row's address costs tens of
-    integer instructions)."""
-    return j0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])))
+def _block_keys(j0):
+    """Key block j0..'s positions in the key run, as the copy holds them."""
+    return j0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, COPY_LAYOUT))
 
 
 @gluon.jit
@@ -151,37 +156,47 @@ def _stage_query(q_smem, inv_smem, q_ptr, t, h0, H, position, freq_ptr, rope_hal
 
 
 @gluon.jit
-def _copy_keys(k_buffer, mask_buffer, row, ok, D: gl.constexpr, num_warps: gl.constexpr):
+def _copy_keys(k_buffer, mask_buffer, row, ok, D: gl.constexpr):
     """cp.async of a key block into k_buffer, 16 bytes a copy (the caller commits the group), and its visibility
     into mask_buffer for the softmax; keys past the end or not visible are zeros (their scores are masked, and
     a zero row cannot turn a masked product into NaN)."""
-    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, copy_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, COPY_LAYOUT))
     async_copy.async_copy_global_to_shared(k_buffer, row[:, None] + cols[None, :], mask=ok[:, None])
     mask_buffer.store(ok.to(gl.int8))
 
 
 @gluon.jit
-def _softmax(s, ok, m_i, l_part, scale):
+def _row_max(s, red_smem, s_layout: gl.constexpr):
+    """Each row's maximum over both warp groups' columns: each group's own half within its warps, then one
+    exchange through shared memory (one barrier; a reduction over the whole tile takes two)."""
+    part = gl.max(gl.reshape(s, [HEADS, 2, KEYS // 2]), axis=2)
+    red_smem.store(gl.reshape(gl.permute(part, (1, 0)), [2 * HEADS]))
+    gl.thread_barrier()
+    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    return gl.maximum(red_smem.slice(0, HEADS).load(rows), red_smem.slice(HEADS, HEADS).load(rows))
+
+
+@gluon.jit
+def _softmax(s, ok, m_i, l_part, scale, red_smem, s_layout: gl.constexpr):
     """One key block's probabilities (float32, masked), the new running max, its rescaling factor and
     the per-thread partial row sums (reduced once, after the last block). Logits rounded as the reference
     forms them in bf16: the product, then the scaled product."""
     s = (s.to(gl.bfloat16).to(gl.float32) * scale).to(gl.bfloat16).to(gl.float32)
     s = gl.where(ok[None, :], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_new = gl.maximum(m_i, _row_max(s, red_smem, s_layout))
     alpha = gl.exp(m_i - m_new)
     p = gl.exp(s - m_new[:, None])
     return p, m_new, alpha, l_part * alpha[:, None] + p
 
 
 @gluon.jit
-def _attend_block(s, j, acc, m_i, l_part, scale, k_smem, p_smem, mask_smem, s_layout: gl.constexpr,
+def _attend_block(s, j, acc, m_i, l_part, scale, k_smem, p_smem, mask_smem, red_smem, s_layout: gl.constexpr,
                   o_layout: gl.constexpr):
     """Key block j from its scores s: softmax and the probabilities into shared memory (while block j + 1's
     scores are formed); the output rescaled once block j - 1's value product is done; then block j's value
     product, left running. Returns with every group's product of block j - 1 done (its key buffer free)."""
     ok = mask_smem.index(j % BUFFERS).load(gl.SliceLayout(0, s_layout)) != 0
-    p, m_i, alpha, l_part = _softmax(s, ok, m_i, l_part, scale)
+    p, m_i, alpha, l_part = _softmax(s, ok, m_i, l_part, scale, red_smem, s_layout)
     p_buffer = p_smem.index(j % 2)  # last read by block j - 2's value product, waited for a block ago
     p_buffer.store(p.to(gl.bfloat16))
     fence_async_shared()
@@ -221,6 +236,7 @@ def _wgmma_attention_kernel(
         [HEADS, KEYS], gl.bfloat16))
     inv_smem = gl.allocate_shared_memory(gl.float32, [HEADS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     mask_smem = gl.allocate_shared_memory(gl.int8, [BUFFERS, KEYS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    red_smem = gl.allocate_shared_memory(gl.float32, [2 * HEADS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     t = gl.program_id(0)
     h0 = gl.program_id(1) * HEADS
@@ -250,9 +266,9 @@ def _wgmma_attention_kernel(
            stride_sel)
 
     for b in gl.static_range(BUFFERS - 1):  # blocks 0.. in flight while the query is staged
-        j = _block_keys(b * KEYS, num_warps)
+        j = _block_keys(b * KEYS)
         row, ok = _key_rows(j, _picks(j, run, src, HAS_SELECTED), run, src, HAS_SELECTED, RING, PER_BLOCK)
-        _copy_keys(k_smem.index(b), mask_smem.index(b), row, ok, D, num_warps)
+        _copy_keys(k_smem.index(b), mask_smem.index(b), row, ok, D)
         async_copy.commit_group()
     _stage_query(q_smem, inv_smem, q_ptr, t, h0, H, pos, freq_ptr, rope_half, q_eps, stride_qt, stride_qh, D,
                  ROTARY, Q_NORM, ROPE_BLOCK, num_warps)
@@ -260,7 +276,7 @@ def _wgmma_attention_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
-    picks = _picks(_block_keys((BUFFERS - 1) * KEYS, num_warps), run, src, HAS_SELECTED)
+    picks = _picks(_block_keys((BUFFERS - 1) * KEYS), run, src, HAS_SELECTED)
     zero_s = gl.zeros([HEADS, KEYS], gl.float32, s_layout)
     s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
@@ -271,11 +287,11 @@ def _wgmma_attention_kernel(
     l_part = gl.zeros([HEADS, KEYS], gl.float32, s_layout)
     acc = warpgroup_mma_init(gl.zeros([HEADS, D], gl.float32, o_layout))
     for j in range(blocks - 1):
-        # s: block j's scores, its keys in buffer j % 4; blocks j + 1, j + 2's copies in flight
-        # block j + 3, copied at the end of this iteration into block j - 1's buffer: its rows now (the block
-        # table's load overlaps the scores and the softmax), the next block's picks for the next iteration
+        # s: block j's scores, its keys in buffer j % 4; blocks j + 1, j + 2's copies in flight. Block j + 3 is
+        # copied at the end of this iteration into block j - 1's buffer: its rows are asked for now (the block
+        # table's load runs under the scores and the softmax), the picks of the block after for the next one.
         ahead = j + BUFFERS - 1
-        keys = _block_keys(ahead * KEYS, num_warps)
+        keys = _block_keys(ahead * KEYS)
         row, ok = _key_rows(keys, picks, run, src, HAS_SELECTED, RING, PER_BLOCK)
         picks = _picks(keys + KEYS, run, src, HAS_SELECTED)
         async_copy.wait_group(BUFFERS - 3)
@@ -283,14 +299,14 @@ def _wgmma_attention_kernel(
         gl.thread_barrier()
         s_next = warpgroup_mma(q_smem, k_smem.index((j + 1) % BUFFERS).permute((1, 0)), zero_s,
                                use_acc=False, is_async=True)
-        acc, m_i, l_part = _attend_block(s, j, acc, m_i, l_part, scale, k_smem, p_smem, mask_smem, s_layout,
-                                         o_layout)
+        acc, m_i, l_part = _attend_block(s, j, acc, m_i, l_part, scale, k_smem, p_smem, mask_smem, red_smem,
+                                         s_layout, o_layout)
         if ahead < blocks:
-            _copy_keys(k_smem.index(ahead % BUFFERS), mask_smem.index(ahead % BUFFERS), row, ok, D, num_warps)
+            _copy_keys(k_smem.index(ahead % BUFFERS), mask_smem.index(ahead % BUFFERS), row, ok, D)
         async_copy.commit_group()  # (maybe empty: one group a block keeps the waits' counts)
         s = warpgroup_mma_wait(1, deps=(s_next,))  # block j + 1's scores; block j's value product may run on
-    acc, m_i, l_part = _attend_block(s, blocks - 1, acc, m_i, l_part, scale, k_smem, p_smem, mask_smem, s_layout,
-                                     o_layout)
+    acc, m_i, l_part = _attend_block(s, blocks - 1, acc, m_i, l_part, scale, k_smem, p_smem, mask_smem, red_smem,
+                                     s_layout, o_layout)
     acc = warpgroup_mma_wait(0, deps=(acc,))
 
     total_p = gl.sum(l_part, axis=1) + gl.exp(sink - m_i)
