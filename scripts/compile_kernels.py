@@ -212,8 +212,7 @@ def _compile(fn, types, consts, warps, stages, capability, divisible=None) -> st
     """ptxas' report on `fn` compiled with these constexprs and options, down to the machine code; `divisible`:
     the 16-divisible arguments (by default every integer and pointer but NOT_DIVISIBLE's, as at the real shapes),
     given for the recorded launches, whose toy shapes make no report worth reading: theirs is "compiled"."""
-    if "PDL" in fn.arg_names:  # the GPU path: each kernel waits for the previous one (`dependent_launch`)
-        consts = dict(consts, PDL=True)
+    consts = dict(consts, PDL=True)  # the GPU path: each kernel waits for the previous one (`dependent_launch`)
     registers = consts.pop("maxnreg", None)  # a launch option, not a constexpr
     signature = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
     given_divisible = divisible is not None
