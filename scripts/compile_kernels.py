@@ -83,18 +83,24 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
         # the MoE's fp4 stacks decode with one product (every real checkpoint's scales are at most 2); at
         # prefill sizes the fp4 checkpoints' fp8 shared expert runs apart (`fused_moe.shared_fusable`)
         moe_format = fused_moe.FP4_SMALL_SCALES if fmt == 2 else fmt
+        tma = fused_moe.weights_through_tma(moe_format, block_m, ieee=False)  # weights: TMA descriptors
         moe = dict(scale, FORMAT=moe_format, A8=a8, SHARED=fmt != 2, SHARED_FORMAT=moe_format,
                    SHARED_SCALE_BN=scale["SCALE_BN"], SHARED_SCALE_BK=scale["SCALE_BK"], SHARED_BLOCK_K=block_k,
                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                   HALF_TAILS=fused_moe.half_tails(block_m, False), PRESCALED=False)
+                   HALF_TAILS=fused_moe.half_tails(block_m, False), PRESCALED=False,
+                   ROW_GROUP=fused_moe.row_group(block_m), TMA=tma)
         moe_pointers = {"x_ptr": activations, "act_ptr": "*bf16", "xs_ptr": "*fp32", "as_ptr": "*fp32",
-                        "row_entry_ptr": "*i32", "block_expert_ptr": "*i32", "route_w_ptr": "*fp32", **byte_scales}
-        moe_pointers.update({n: weight for n in ("w1_ptr", "w3_ptr", "sw1_ptr", "sw3_ptr", "w2_ptr", "sw2_ptr")})
+                        "row_entry_ptr": "*i32", "blocks_ptr": "*i32", "route_w_ptr": "*fp32", **byte_scales}
+        weight_arg = f"tensordesc<{weight[1:]}[{block_n}, {block_k}]>" if tma else weight
+        moe_pointers.update({n: weight_arg for n in ("w1_ptr", "w3_ptr", "sw1_ptr", "sw3_ptr", "w2_ptr", "sw2_ptr")})
         yield f"moe_gate_up[{weight[1:]}]", fused_moe._gate_up_kernel, _types(fused_moe._gate_up_kernel, moe_pointers), \
             moe, warps, stages
+        down_n = fused_moe.down_columns(moe_format, block_m, block_n)
         down = dict(moe_pointers, act_ptr=activations, counter_ptr="*i32")
+        if tma:
+            down.update({n: f"tensordesc<{weight[1:]}[{down_n}, {block_k}]>" for n in ("w2_ptr", "sw2_ptr")})
         yield f"moe_down[{weight[1:]}]", fused_moe._down_kernel, _types(fused_moe._down_kernel, down), \
-            dict(moe, SUM_SLOTS=0), warps, stages
+            dict(moe, BLOCK_N=down_n, SUM_SLOTS=0), warps, stages
     # one row of x and an fp8 weight on CUDA cores (`linear.one_row_tiles`)
     block_m, block_n, block_k, warps, stages = linear.tile_config(1, 1, one_row=True)
     yield "linear[fp8e4nv, one row]", linear._linear_kernel, _types(linear._linear_kernel, {
@@ -106,9 +112,10 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
     moe = dict(FORMAT=fused_moe.fp4_kernel_format(block_m), SCALE_BN=1, SCALE_BK=1, IEEE=False, A8=False, SHARED=True,
                SHARED_FORMAT=1, SHARED_SCALE_BN=128, SHARED_SCALE_BK=128, SHARED_BLOCK_K=min(block_k, 128),
                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-               HALF_TAILS=fused_moe.half_tails(block_m, False), PRESCALED=False)
+               HALF_TAILS=fused_moe.half_tails(block_m, False), PRESCALED=False, ROW_GROUP=fused_moe.row_group(block_m),
+               TMA=False)
     mixed = {"x_ptr": "*bf16", "act_ptr": "*bf16", "xs_ptr": "*fp32", "as_ptr": "*fp32", "row_entry_ptr": "*i32",
-             "block_expert_ptr": "*i32", "route_w_ptr": "*fp32", **byte_scales,
+             "blocks_ptr": "*i32", "route_w_ptr": "*fp32", **byte_scales,
              **{n: WEIGHT_TYPES[2] for n in ("w1_ptr", "w3_ptr", "w2_ptr")},
              **{n: WEIGHT_TYPES[1] for n in ("sw1_ptr", "sw3_ptr", "sw2_ptr")}}
     gate_up, down = fused_moe._gate_up_kernel, fused_moe._down_kernel

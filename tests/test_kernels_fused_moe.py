@@ -6,11 +6,13 @@ import triton_interpreter  # noqa: F401  (sets TRITON_INTERPRET=1 before the ker
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from kernel_checks import assert_matches
 
 from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
 from deepinfer_core.quantization import quantize_fp4, quantize_fp8_block
-from deepinfer_kernels.fused_moe import fp4_kernel_format, moe_routed, shared_fusable, tile_config
+from deepinfer_kernels.fused_moe import _expert_tile, fp4_kernel_format, moe_routed, shared_fusable, tile_config
 from deepinfer_kernels.weight_tiles import FP4_PAIR_ORDER, FP4_SMALL_SCALES
 from deepinfer_nvidia.ops import TritonOps
 
@@ -183,6 +185,93 @@ def test_prefill_tiles_run_half_empty_row_blocks_as_half_tiles(monkeypatch, fmt,
     ops.fp8_activations = reference.fp8_activations = fp8_activations
     out = ops.fused_moe(x, weights, ids, mlps, shared, 1.5)
     assert_matches(out, reference.fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[torch.bfloat16])
+
+
+@triton.jit
+def _tiles_kernel(blocks_ptr, out_ptr, N, BLOCK_N: tl.constexpr, ROW_GROUP: tl.constexpr):
+    expert, block, column = _expert_tile(blocks_ptr, N, BLOCK_N, ROW_GROUP)
+    at = out_ptr + 3 * tl.program_id(0)
+    tl.store(at, expert)
+    tl.store(at + 1, block)
+    tl.store(at + 2, column)
+
+
+def test_an_experts_programs_walk_its_column_tiles_a_group_of_row_blocks_at_a_time():
+    """Runs of 1, 5 and 2 row blocks and a block no run holds, 3 column tiles, groups of 2 blocks: every
+    (block, column tile) once, each in its own expert's run, and the blocks of a group side by side; in groups
+    of 1, row block by row block."""
+    blocks = torch.tensor([[0, 0, 1], [1, 1, 5], [1, 1, 5], [1, 1, 5], [1, 1, 5], [1, 1, 5], [2, 6, 2], [2, 6, 2],
+                           [3, 8, 1]], dtype=torch.int32)
+    out = torch.full((blocks.shape[0] * 3, 3), -1, dtype=torch.int32)
+    _tiles_kernel[(out.shape[0],)](blocks, out, 96, BLOCK_N=32, ROW_GROUP=2)
+    expected = [(0, 0, 0), (0, 0, 1), (0, 0, 2)]
+    expected += [(1, block, column) for column in range(3) for block in (1, 2)]
+    expected += [(1, block, column) for column in range(3) for block in (3, 4)]
+    expected += [(1, 5, column) for column in range(3)]
+    expected += [(2, block, column) for column in range(3) for block in (6, 7)]
+    expected += [(3, 8, column) for column in range(3)]
+    assert out.tolist() == [list(t) for t in expected]
+    _tiles_kernel[(out.shape[0],)](blocks, out, 96, BLOCK_N=32, ROW_GROUP=1)  # decode tiles: block by block
+    assert out.tolist() == [[blocks[p // 3, 0].item(), p // 3, p % 3] for p in range(out.shape[0])]
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "fp4"])
+def test_row_blocks_grouped_on_column_tiles_give_the_reference(monkeypatch, fmt):
+    """16-row blocks, runs of ~3 routed and 7 shared blocks, walked 2 blocks at a time (`_expert_tile`)."""
+    from deepinfer_kernels import fused_moe
+
+    monkeypatch.setattr(fused_moe, "tile_config", lambda *_: (16, 32, 32, 4, 2))
+    monkeypatch.setattr(fused_moe, "row_group", lambda block_m: 2)
+    x, weights, ids, mlps, shared = _inputs(fmt, torch.bfloat16, 100, seed=11)
+    out = TritonOps().fused_moe(x, weights, ids, mlps, shared, 1.5)
+    assert_matches(out, KernelOps().fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[torch.bfloat16])
+
+
+def test_16_bit_experts_in_prefill_tiles_read_their_weights_through_tma_with_the_same_result(monkeypatch):
+    """bf16 experts and shared expert in 64-row tiles: the TMA descriptors give the pointers' bits; fp8, fp4,
+    float32 and decode tiles keep the pointers, as does a stack whose experts have gaps between them."""
+    from deepinfer_kernels import fused_moe
+
+    assert fused_moe.weights_through_tma(0, 64, ieee=False) and fused_moe.weights_through_tma(0, 128, ieee=False)
+    assert not any([fused_moe.weights_through_tma(0, 16, False), fused_moe.weights_through_tma(0, 128, True),
+                    fused_moe.weights_through_tma(1, 128, False), fused_moe.weights_through_tma(3, 128, False)])
+    monkeypatch.setattr(fused_moe, "tile_config", lambda *_: (64, 32, 32, 4, 2))
+    x, weights, ids, mlps, shared = _inputs("dense", torch.bfloat16, 100, seed=12)
+    stack = TritonOps()._stack(mlps, x.device)
+    built = []
+    monkeypatch.setattr(fused_moe, "TensorDescriptor", _Recorded(built))
+    through_tma = moe_routed(x, weights, ids, stack, 1.5, shared=shared)
+    assert len(built) == 6  # w1, w3, w2 and the shared expert's
+    monkeypatch.setattr(fused_moe, "weights_through_tma", lambda *_: False)
+    assert torch.equal(through_tma, moe_routed(x, weights, ids, stack, 1.5, shared=shared))
+    gapped = torch.empty((7, 2 * 64, 96), dtype=torch.bfloat16)[:, :64]
+    assert fused_moe._weight_rows(gapped) is None and fused_moe._weight_rows(stack.w1) is not None
+
+
+def test_16_bit_experts_in_128_row_tiles_take_down_tiles_twice_as_wide_with_the_same_result(monkeypatch):
+    from deepinfer_kernels import fused_moe
+
+    assert fused_moe.down_columns(0, 128, 128) == 256
+    assert [fused_moe.down_columns(*case) for case in ((0, 64, 64), (1, 128, 128), (3, 128, 128))] == [64, 128, 128]
+    monkeypatch.setattr(fused_moe, "tile_config", lambda *_: (128, 32, 32, 4, 2))
+    x, weights, ids, mlps, shared = _inputs("dense", torch.bfloat16, 100, seed=13)
+    stack = TritonOps()._stack(mlps, x.device)
+    wide = moe_routed(x, weights, ids, stack, 1.5, shared=shared)
+    monkeypatch.setattr(fused_moe, "down_columns", lambda kernel_format, block_m, block_n: block_n)
+    assert torch.equal(wide, moe_routed(x, weights, ids, stack, 1.5, shared=shared))
+
+
+class _Recorded:
+    """TensorDescriptor, counting the descriptors built."""
+
+    def __init__(self, built: list):
+        self.built = built
+
+    def from_tensor(self, *args, **kwargs):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        self.built.append(args[0].shape)
+        return TensorDescriptor.from_tensor(*args, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

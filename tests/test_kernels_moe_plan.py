@@ -32,8 +32,12 @@ def _reference_plan(ids: torch.Tensor, local_ids: torch.Tensor, num_held: int, b
     row_entry = torch.full((rows + 1,), -1, dtype=torch.int32, device=ids.device)
     row_entry[torch.where(held, dest, rows)] = order.to(torch.int32)
     starts = torch.arange(0, rows, block_m, device=ids.device)
-    block_expert = torch.searchsorted(pad_ends, starts, right=True).to(torch.int32)
-    return row_entry[:rows], block_expert.clamp(max=num_held)
+    expert = torch.searchsorted(pad_ends, starts, right=True).clamp(max=num_held)
+    owned = expert < num_held
+    run = expert.clamp(max=num_held - 1)
+    first = torch.where(owned, (pad_ends[run] - padded[run]) // block_m, starts // block_m)
+    length = torch.where(owned, padded[run] // block_m, 1)
+    return row_entry[:rows], torch.stack([expert, first, length], 1).to(torch.int32)
 
 
 def _random_routing(tokens: int, top_k: int, experts: int, num_held: int, seed: int):
@@ -48,16 +52,16 @@ def _random_routing(tokens: int, top_k: int, experts: int, num_held: int, seed: 
 def _assert_same_plan(ids, local_ids, num_held, block_m, shared=False):
     """With `shared`, pair t * (k + 1) + k is the shared expert's (stack index num_held): the same plan as
     routing each token to k + 1 experts, the last one an extra held expert, and not-held pairs still dropped."""
-    row_entry, block_expert = moe_plan(ids, local_ids, num_held, block_m, shared=shared)
+    row_entry, blocks = moe_plan(ids, local_ids, num_held, block_m, shared=shared)
     if shared:
         experts = local_ids.shape[0]
         ids = torch.cat([ids, torch.full((ids.shape[0], 1), experts)], dim=1)
         local_ids = torch.cat([local_ids.masked_fill(local_ids == num_held, num_held + 1), torch.tensor([num_held])])
         num_held += 1
     expected_rows, expected_blocks = _reference_plan(ids, local_ids, num_held, block_m)
-    assert row_entry.dtype == block_expert.dtype == torch.int32
+    assert row_entry.dtype == blocks.dtype == torch.int32
     assert torch.equal(row_entry, expected_rows)
-    assert torch.equal(block_expert, expected_blocks)
+    assert torch.equal(blocks, expected_blocks)
 
 
 @pytest.mark.parametrize("block_m", [16, 64])

@@ -16,7 +16,9 @@ row blocks take a K loop of their own format in the same launches. With
 token before launch 1, the activation between the launches), as in `linear`. `prescaled` (DeepSeek-V4.1)
 moves the routing weight from w2's output into launch 1's epilogue: it scales the activation before w2.
 fp4 experts at decode sizes decode their weights in inline PTX in pair order and put them on the MMA's tall
-side, x's few rows on its narrow side (`fp4_kernel_format`, `_tile_dot`).
+side, x's few rows on its narrow side (`fp4_kernel_format`, `_tile_dot`). An expert's programs walk its weight's
+column tiles a group of its row blocks at a time (`_expert_tile`); 16-bit weights in prefill tiles arrive through
+TMA descriptors (`weights_through_tma`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deepinfer_core.platform.kernel_ops import MlpWeights
 from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, quantize_fp8_rows
@@ -38,8 +41,9 @@ from deepinfer_kernels.weight_tiles import (
 )
 
 __all__ = [
-    "StackedExperts", "fp4_kernel_format", "gate_up_registers", "half_tails", "moe_routed", "moe_supported",
-    "shared_fusable", "slot_sum_in_down_launch", "step_pairs", "tile_config",
+    "StackedExperts", "down_columns", "fp4_kernel_format", "gate_up_registers", "half_tails", "moe_routed",
+    "moe_supported", "row_group", "shared_fusable", "slot_sum_in_down_launch", "step_pairs", "tile_config",
+    "weights_through_tma",
 ]
 
 
@@ -74,8 +78,9 @@ def _gate_up_sums(
     x_ptr, xs_ptr, token, entry, w1, w3, s1, s3, offs_n, pid_n, N, K, stride_xm, stride_xsm, stride_wn, stride_sn,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
+    w_row=0, TMA: tl.constexpr = False,
 ):
-    """(w1 x, w3 x) [BLOCK_M, BLOCK_N] in float32 for one expert's weights in FORMAT."""
+    """(w1 x, w3 x) [BLOCK_M, BLOCK_N] in float32 for one expert's weights in FORMAT (w_row, TMA: `_weight_tile`)."""
     compute = x_ptr.dtype.element_ty  # fp8 codes with A8 (xs_ptr: their per-token, per-K-tile scales)
     WEIGHT_ROWS: tl.constexpr = _weights_on_tall_side(FORMAT, BLOCK_M)
     gate = _dot_zeros(BLOCK_M, BLOCK_N, WEIGHT_ROWS)
@@ -86,10 +91,10 @@ def _gate_up_sums(
                     mask=(entry[:, None] >= 0) & (offs_k[None, :] < K), other=0.0)
         if FORMAT == 5:  # FP4_PAIR_ORDER weight tiles: x in their column order
             x = pair_order(x)
-        g_tile = load_weight_tile(w1, s1, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K, SCALE_BN,
-                                  SCALE_BK)
-        u_tile = load_weight_tile(w3, s3, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K, SCALE_BN,
-                                  SCALE_BK)
+        g_tile = _weight_tile(w1, w_row, s1, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K,
+                              SCALE_BN, SCALE_BK, TMA)
+        u_tile = _weight_tile(w3, w_row, s3, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K,
+                              SCALE_BN, SCALE_BK, TMA)
         g_part = _tile_dot(x, g_tile, IEEE, WEIGHT_ROWS)
         u_part = _tile_dot(x, u_tile, IEEE, WEIGHT_ROWS)
         if A8:  # (fp8 of whole-block scales: never WEIGHT_ROWS)
@@ -105,6 +110,28 @@ def _gate_up_sums(
     if WEIGHT_ROWS:
         gate, up = tl.trans(gate), tl.trans(up)
     return gate, up
+
+
+@triton.jit
+def _expert_weight(w_ptr, expert, N, stride_we, tile_row, TMA: tl.constexpr):
+    """(`expert`'s weight as `_weight_tile` reads it, the row in it of its tile's row tile_row): with TMA the
+    stack's descriptor, whose rows run through the experts one after another; else the expert's own pointer."""
+    if TMA:
+        return w_ptr, expert * N + tile_row
+    else:
+        return w_ptr + expert.to(tl.int64) * stride_we, tile_row
+
+
+@triton.jit
+def _weight_tile(w, w_row, s, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT: tl.constexpr, COMPUTE: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, TMA: tl.constexpr):
+    """`load_weight_tile` (rows offs_n of the pointer w), or with TMA (`weights_through_tma`) the tile at row w_row
+    of the descriptor w: the copy engine fills it (zeros past the weight's ends) while the threads only wait."""
+    if TMA:
+        return w.load([w_row, k0]).to(COMPUTE)
+    else:
+        return load_weight_tile(w, s, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, COMPUTE, BLOCK_K, SCALE_BN,
+                                SCALE_BK)
 
 
 @triton.jit
@@ -138,23 +165,46 @@ def _weights_on_tall_side(FORMAT, BLOCK_M):
 
 
 @triton.jit
+def _expert_tile(blocks_ptr, N, BLOCK_N: tl.constexpr, ROW_GROUP: tl.constexpr):
+    """(expert, row block, column tile) of this program, the expert past the held ones for a block no run holds.
+
+    An expert's programs are those of its run's row blocks (its id range is theirs); they walk its weight's column
+    tiles with ROW_GROUP of its row blocks at a time, the row blocks innermost, so the few programs that read one
+    weight tile run side by side and it comes from memory once. Row block by row block (all column tiles of a
+    block, then the next), an expert's weights stream past once per row block, from memory unless L2 still holds
+    them; at 8,192 tokens of 256 experts, top-6 (~190 rows, two blocks an expert) the weights are 190 FLOP a byte
+    against the H100's ~240 a byte of bandwidth, as many bytes as the MMAs' time. (Nsight Compute, gate/up launch,
+    groups of 8: 9.6 GB from memory for 8.6 GB of weights, 62% of its bandwidth, the SMs' 59%.) A group's rows
+    (ROW_GROUP x BLOCK_M x K) stay in L2 while its column tiles pass, as the shared expert's 8,192 rows would not.
+    `row_group` gives ROW_GROUP; at 1 this is row block by row block."""
+    columns = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    block = pid // columns
+    expert = tl.load(blocks_ptr + 3 * block)
+    if ROW_GROUP == 1:  # row block by row block
+        return expert, block, pid % columns
+    first = tl.load(blocks_ptr + 3 * block + 1)
+    length = tl.load(blocks_ptr + 3 * block + 2)
+    local = pid - first * columns
+    group_first = local // (ROW_GROUP * columns) * ROW_GROUP
+    size = tl.minimum(length - group_first, ROW_GROUP)
+    within = local - group_first * columns
+    return expert, first + group_first + within % size, within // size
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr, route_w_ptr,
-    row_entry_ptr, block_expert_ptr, N, K, TOP_K, NUM_ROUTED, limit,
+    row_entry_ptr, blocks_ptr, N, K, TOP_K, NUM_ROUTED, limit,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_am,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
     SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr, HALF_TAILS: tl.constexpr, PRESCALED: tl.constexpr, PDL: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, HALF_TAILS: tl.constexpr, PRESCALED: tl.constexpr, ROW_GROUP: tl.constexpr,
+    TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
-    # All column tiles of a row block, then the next: programs start in id order, so a block's rows are
-    # read from memory once and stay in L2 while an expert's weight streams past them. (Walking down the
-    # columns instead re-read every row once per column: 57k rows x 2,048 of `down`'s input at 8,192
-    # tokens do not fit in the H200's 50 MB L2.)
-    pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)
-    pid_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert, pid_m, pid_n = _expert_tile(blocks_ptr, N, BLOCK_N, ROW_GROUP)
     if expert >= NUM_ROUTED + SHARED:
         return
     # An expert run's last row block holds its rows first: at half or less, half a tile computes it.
@@ -163,13 +213,13 @@ def _gate_up_kernel(
                       route_w_ptr, row_entry_ptr, pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, limit,
                       stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn,
                       stride_am, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M // 2, BLOCK_N, BLOCK_K, IEEE, A8, SHARED,
-                      SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, SHARED_BLOCK_K, PRESCALED)
+                      SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, SHARED_BLOCK_K, PRESCALED, TMA)
     else:
         _gate_up_rows(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr,
                       route_w_ptr, row_entry_ptr, pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, limit,
                       stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn,
                       stride_am, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8, SHARED,
-                      SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, SHARED_BLOCK_K, PRESCALED)
+                      SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, SHARED_BLOCK_K, PRESCALED, TMA)
 
 
 @triton.jit
@@ -180,25 +230,26 @@ def _gate_up_rows(
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
     SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr, PRESCALED: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, PRESCALED: tl.constexpr, TMA: tl.constexpr,
 ):
-    """act for BLOCK_M rows from row0 of `expert`'s run (launch 1 of `moe_routed`)."""
+    """act for BLOCK_M rows from row0 of `expert`'s run (launch 1 of `moe_routed`); with TMA the weight arguments
+    are descriptors of the stacks' rows [E * N, K] (the shared expert's of its [N, K])."""
     offs_m = row0 + tl.arange(0, BLOCK_M)
     entry = tl.load(row_entry_ptr + offs_m)
     token = tl.where(entry >= 0, entry // (TOP_K + SHARED), 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_dtype = act_ptr.dtype.element_ty
-    w1 = w1_ptr + expert.to(tl.int64) * stride_we
-    w3 = w3_ptr + expert.to(tl.int64) * stride_we
+    w1, w_row = _expert_weight(w1_ptr, expert, N, stride_we, pid_n * BLOCK_N, TMA)
+    w3, w_row = _expert_weight(w3_ptr, expert, N, stride_we, pid_n * BLOCK_N, TMA)
     s1 = s1_ptr + expert.to(tl.int64) * stride_se
     s3 = s3_ptr + expert.to(tl.int64) * stride_se
     if SHARED_FORMAT == FORMAT:  # the shared expert's row blocks (if any) read its weights in the same loop
         if SHARED:
             if expert == NUM_ROUTED:
-                w1, w3, s1, s3 = sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr
+                w1, w3, s1, s3, w_row = sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, pid_n * BLOCK_N
         gate, up = _gate_up_sums(x_ptr, xs_ptr, token, entry, w1, w3, s1, s3, offs_n, pid_n, N, K, stride_xm,
                                  stride_xsm, stride_wn, stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, IEEE, A8)
+                                 BLOCK_K, IEEE, A8, w_row, TMA)
     elif expert == NUM_ROUTED:  # a shared expert stored unlike the experts (fp8 beside fp4): its own loop
         gate, up = _gate_up_sums(x_ptr, xs_ptr, token, entry, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, offs_n, pid_n, N, K,
                                  stride_xm, stride_xsm, stride_swn, stride_ssn, SHARED_FORMAT, SHARED_SCALE_BN,
@@ -206,7 +257,7 @@ def _gate_up_rows(
     else:
         gate, up = _gate_up_sums(x_ptr, xs_ptr, token, entry, w1, w3, s1, s3, offs_n, pid_n, N, K, stride_xm,
                                  stride_xsm, stride_wn, stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N,
-                                 BLOCK_K, IEEE, A8)
+                                 BLOCK_K, IEEE, A8, w_row, TMA)
     # The reference rounds each projection, silu(gate) and the product to the activation dtype (with fp8
     # activations the next launch quantises this very value, so matching its rounding matters). Prescaled,
     # it keeps silu(gate) * up * weight in float32 and rounds once.
@@ -236,6 +287,7 @@ def _down_sums(
     act_ptr, as_ptr, offs_m, w2, s2, offs_n, pid_n, N, K, stride_am, stride_asm, stride_wn, stride_sn,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
+    w_row=0, TMA: tl.constexpr = False,
 ):
     """w2 a [BLOCK_M, BLOCK_N] in float32 for one expert's weights in FORMAT (as `_gate_up_sums`)."""
     compute = act_ptr.dtype.element_ty  # fp8 codes with A8 (as_ptr: their per-row, per-K-tile scales)
@@ -247,7 +299,8 @@ def _down_sums(
                     mask=offs_k[None, :] < K, other=0.0)
         if FORMAT == 5:
             a = pair_order(a)
-        w = load_weight_tile(w2, s2, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K, SCALE_BN, SCALE_BK)
+        w = _weight_tile(w2, w_row, s2, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K, SCALE_BN,
+                         SCALE_BK, TMA)
         part = _tile_dot(a, w, IEEE, WEIGHT_ROWS)
         if FORMAT == 1:
             # Powers of two: the scales multiply first (exact), then one multiply-add per element. (Done so in
@@ -268,18 +321,16 @@ def _down_sums(
 @triton.jit
 def _down_kernel(
     act_ptr, as_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, total_ptr, counter_ptr, route_w_ptr, row_entry_ptr,
-    block_expert_ptr, N, K, TOP_K, NUM_ROUTED,
+    blocks_ptr, N, K, TOP_K, NUM_ROUTED,
     stride_am, stride_asm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_ym,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
     SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
     SHARED_BLOCK_K: tl.constexpr, HALF_TAILS: tl.constexpr, PRESCALED: tl.constexpr, SUM_SLOTS: tl.constexpr,
-    PDL: tl.constexpr,
+    ROW_GROUP: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
-    pid_m = tl.program_id(0) // tl.cdiv(N, BLOCK_N)  # row block by row block, as in `_gate_up_kernel`
-    pid_n = tl.program_id(0) % tl.cdiv(N, BLOCK_N)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert, pid_m, pid_n = _expert_tile(blocks_ptr, N, BLOCK_N, ROW_GROUP)
     if expert >= NUM_ROUTED + SHARED:
         return
     if HALF_TAILS and tl.load(row_entry_ptr + pid_m * BLOCK_M + BLOCK_M // 2) < 0:  # as in `_gate_up_kernel`
@@ -287,13 +338,13 @@ def _down_kernel(
                    row_entry_ptr, pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, stride_am, stride_asm,
                    stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_ym, FORMAT, SCALE_BN,
                    SCALE_BK, BLOCK_M // 2, BLOCK_N, BLOCK_K, IEEE, A8, SHARED, SHARED_FORMAT, SHARED_SCALE_BN,
-                   SHARED_SCALE_BK, SHARED_BLOCK_K, PRESCALED, SUM_SLOTS)
+                   SHARED_SCALE_BK, SHARED_BLOCK_K, PRESCALED, SUM_SLOTS, TMA)
     else:
         _down_rows(act_ptr, as_ptr, w2_ptr, s2_ptr, sw2_ptr, ss2_ptr, y_ptr, total_ptr, counter_ptr, route_w_ptr,
                    row_entry_ptr, pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, stride_am, stride_asm,
                    stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_ym, FORMAT, SCALE_BN,
                    SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8, SHARED, SHARED_FORMAT, SHARED_SCALE_BN,
-                   SHARED_SCALE_BK, SHARED_BLOCK_K, PRESCALED, SUM_SLOTS)
+                   SHARED_SCALE_BK, SHARED_BLOCK_K, PRESCALED, SUM_SLOTS, TMA)
 
 
 @triton.jit
@@ -304,7 +355,7 @@ def _down_rows(
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
     SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr, PRESCALED: tl.constexpr, SUM_SLOTS: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, PRESCALED: tl.constexpr, SUM_SLOTS: tl.constexpr, TMA: tl.constexpr,
 ):
     """y for BLOCK_M rows from row0 of `expert`'s run (launch 2 of `moe_routed`). SUM_SLOTS (`slot_sum_in_down_launch`:
     the slots of a token, or 0): each row then arrives on its token's counter for this column tile, and the program
@@ -312,21 +363,21 @@ def _down_rows(
     offs_m = row0 + tl.arange(0, BLOCK_M)
     entry = tl.load(row_entry_ptr + offs_m)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    w2 = w2_ptr + expert.to(tl.int64) * stride_we
+    w2, w_row = _expert_weight(w2_ptr, expert, N, stride_we, pid_n * BLOCK_N, TMA)
     s2 = s2_ptr + expert.to(tl.int64) * stride_se
     if SHARED_FORMAT == FORMAT:
         if SHARED:
             if expert == NUM_ROUTED:
-                w2, s2 = sw2_ptr, ss2_ptr
+                w2, s2, w_row = sw2_ptr, ss2_ptr, pid_n * BLOCK_N
         acc = _down_sums(act_ptr, as_ptr, offs_m, w2, s2, offs_n, pid_n, N, K, stride_am, stride_asm, stride_wn,
-                         stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8)
+                         stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8, w_row, TMA)
     elif expert == NUM_ROUTED:  # the shared expert stored unlike the experts: its own loop
         acc = _down_sums(act_ptr, as_ptr, offs_m, sw2_ptr, ss2_ptr, offs_n, pid_n, N, K, stride_am, stride_asm,
                          stride_swn, stride_ssn, SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, BLOCK_M, BLOCK_N,
                          SHARED_BLOCK_K, IEEE, A8)
     else:
         acc = _down_sums(act_ptr, as_ptr, offs_m, w2, s2, offs_n, pid_n, N, K, stride_am, stride_asm, stride_wn,
-                         stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8)
+                         stride_sn, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8, w_row, TMA)
     valid = entry >= 0
     y = acc.to(y_ptr.dtype.element_ty)
     if not PRESCALED:
@@ -442,6 +493,43 @@ def slot_sum_in_down_launch(tokens: int, column_tiles: int, held_all: bool) -> b
     return held_all and tokens * column_tiles <= _SLOT_SUM_COUNTERS
 
 
+def row_group(block_m: int) -> int:
+    """`_expert_tile`'s ROW_GROUP for row blocks of block_m rows: 8 for the prefill tiles (H100, V4 widths, bf16,
+    8,192 tokens: the op 7.62 -> 7.33 ms against row block by row block, the 4-layer step 55.48 / 55.37 -> 54.88 /
+    54.91 ms; 16,384 tokens 12.82 -> 12.47 ms); 1, row block by row block, for decode tiles, whose experts hold a
+    block or two (fp4 decode steps 0.5-0.8% slower with 8: 1.18 -> 1.19 ms at batch 1, 4.05 -> 4.07 at 64)."""
+    return 8 if block_m >= 64 else 1
+
+
+def down_columns(kernel_format: int, block_m: int, block_n: int) -> int:
+    """The down launch's BLOCK_N, the gate/up launch's being block_n: twice as wide for 16-bit experts in 128-row
+    tiles (the gate/up launch's two accumulators of 128 x 128 are one of 128 x 256 in down: 98 -> 175 registers,
+    147 KB of shared memory at 3 stages; the same bits). H100, V4 widths, bf16, the down launch at 16,384 tokens
+    4.23 / 4.21 -> 3.71 / 3.82 ms, at 8,192 2.30 / 2.33 -> 2.28 / 2.31; the 4-layer step at 8,192 tokens 54.05 /
+    53.74 -> 53.56 / 53.35 ms (BENCHMARKS.md)."""
+    return 2 * block_n if kernel_format == 0 and block_m == 128 else block_n
+
+
+def weights_through_tma(kernel_format: int, block_m: int, ieee: bool) -> bool:
+    """Whether both launches read the weights through TMA descriptors (`_weight_tile`): 16-bit experts (not the
+    float32 MMAs of `ieee`) in tiles of 64 rows or more (the prefill tiles, batch-invariant mode's; the same bits
+    either way). The weight tiles' address arithmetic and per-thread copies leave the K loop: H100, V4 widths,
+    bf16, 8,192 tokens, the op 7.33 -> 7.08-7.13 ms, the 4-layer step 55.04 / 54.99 -> 53.95 / 53.97 ms (gate/up
+    launch 244 -> 210 registers, down 123 -> 98). fp8 experts' gate/up launch spilled so (255 registers, 128 bytes
+    in its K loop) and took 1.45x as long (W8A8, BENCHMARKS.md); fp4 weights are decoded in registers."""
+    return kernel_format == 0 and block_m >= 64 and not ieee
+
+
+def _weight_rows(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight's rows as one [rows, K] matrix for a TMA descriptor (a stack [E, N, K] of experts packed one after
+    another, or one expert's [N, K]: the descriptor's row of expert e's row n is e * N + n), or None when its layout
+    has none (gaps between experts, unaligned rows)."""
+    packed = weight.stride(-1) == 1 and (weight.dim() == 2 or weight.stride(0) == weight.shape[1] * weight.stride(1))
+    if not packed or weight.data_ptr() % 16 or weight.stride(-2) * weight.element_size() % 16:
+        return None
+    return weight.reshape(-1, weight.shape[-1])
+
+
 def moe_supported(experts: StackedExperts, fp8_activations: bool) -> bool:
     """fp8 experts under fp8 activations need K tiles equal to their weight block's K."""
     return not (fp8_activations and weight_format(experts.w1) == 1) or fp8_activation_tiles_supported(experts.block)
@@ -539,9 +627,9 @@ def moe_routed(
         SHARED=fused, SHARED_FORMAT=shared_format,
         SHARED_SCALE_BN=shared.block[0] if mixed else scale_bn, SHARED_SCALE_BK=shared.block[1] if mixed else scale_bk,
         SHARED_BLOCK_K=shared_block_k,
-        HALF_TAILS=half_tails(block_m, batch_invariant), PRESCALED=prescaled,
+        HALF_TAILS=half_tails(block_m, batch_invariant), PRESCALED=prescaled, ROW_GROUP=row_group(block_m), TMA=False,
     )
-    row_entry, block_expert = moe_plan(ids, experts.local_ids, experts.num_held, block_m, fused)
+    row_entry, blocks = moe_plan(ids, experts.local_ids, experts.num_held, block_m, fused)
     x = x.contiguous()
     ieee = x.dtype == torch.float32 and not a8  # fp8 codes meet on fp8 MMAs whatever x.dtype
     w1, _ = as_kernel_weight(experts.w1, None)
@@ -559,11 +647,19 @@ def moe_routed(
         shared_strides = [(sw1.stride(0), ss1.stride(0)), (sw2.stride(0), ss2.stride(0))]
     else:
         shared_strides = [(w1.stride(1), sn), (w2.stride(1), sn2)]
+    down_n = down_columns(kernel_format, block_m, block_n)
+    weight_args = [w1, w3, sw1, sw3, w2, sw2]
+    if weights_through_tma(kernel_format, block_m, ieee):
+        rows = [_weight_rows(w) for w in weight_args]
+        if all(r is not None for r in rows):  # (else a stack of gaps between experts: the pointers)
+            shared_args["TMA"] = True
+            tiles = [block_n] * 4 + [down_n] * 2
+            weight_args = [TensorDescriptor.from_tensor(r, [n, block_k]) for r, n in zip(rows, tiles)]
     act = torch.empty((row_entry.shape[0], inter), dtype=x.dtype, device=x.device)
     x_in, x_scales = quantize_fp8_rows(x, block_k) if a8 else (x, x)
     route_w = weights.reshape(-1).float().contiguous()
-    _gate_up_kernel[(block_expert.shape[0] * triton.cdiv(inter, block_n),)](
-        x_in, x_scales, w1, w3, s1, s3, sw1, sw3, ss1, ss3, act, route_w, row_entry, block_expert,
+    _gate_up_kernel[(blocks.shape[0] * triton.cdiv(inter, block_n),)](
+        x_in, x_scales, *weight_args[:2], s1, s3, *weight_args[2:4], ss1, ss3, act, route_w, row_entry, blocks,
         inter, hidden, top_k, experts.num_held, swiglu_limit,
         x_in.stride(0), x_scales.stride(0), w1.stride(0), w1.stride(1), se, sn, *shared_strides[0], act.stride(0),
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
@@ -575,16 +671,16 @@ def moe_routed(
     alloc = torch.empty if held_all else torch.zeros
     y = alloc((tokens * slots, hidden), dtype=x.dtype, device=x.device)
     total = torch.empty((tokens, hidden), dtype=out_dtype, device=x.device)
-    column_tiles = triton.cdiv(hidden, block_n)
+    column_tiles = triton.cdiv(hidden, down_n)
     sum_in_down = slot_sum_in_down_launch(tokens, column_tiles, held_all)
     counters = arrival_counters("MoE slot-sum", x.device, _SLOT_SUM_COUNTERS) if sum_in_down else y  # y: never read
     act_in, act_scales = quantize_fp8_rows(act, block_k) if a8 else (act, act)
-    _down_kernel[(block_expert.shape[0] * column_tiles,)](
-        act_in, act_scales, w2, s2, sw2, ss2, y, total, counters, route_w, row_entry, block_expert,
+    _down_kernel[(blocks.shape[0] * column_tiles,)](
+        act_in, act_scales, weight_args[4], s2, weight_args[5], ss2, y, total, counters, route_w, row_entry, blocks,
         hidden, inter, top_k, experts.num_held,
         act_in.stride(0), act_scales.stride(0), w2.stride(0), w2.stride(1), se2, sn2, *shared_strides[1], y.stride(0),
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, **shared_args,
+        BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, **shared_args,
         SUM_SLOTS=slots if sum_in_down else 0, num_warps=warps, num_stages=stages, **launch_options(x.device),
     )
     if tokens and not sum_in_down:

@@ -5,8 +5,9 @@ padded to a multiple of the GEMM's row block. Three launches, no host sync, work
 2. one program turns the histogram rows into, per chunk and expert, the pairs of earlier chunks (a
    column scan), then each expert's count and the start and end of its padded run;
 3. a program per chunk places its pairs (rank among the chunk's earlier pairs of the same expert, by
-   comparing the chunk with itself) and labels its share of the rows: the row block's expert (a binary
-   search of the run ends) and -1 for padding rows.
+   comparing the chunk with itself) and labels its share of the rows: -1 for padding rows, and for each
+   row block its expert (a binary search of the run ends) and its run's first block and length in blocks
+   (so that the GEMMs can order an expert's tiles, `fused_moe._expert_tile`).
 
 A row's place in its expert's run does not change its GEMM result (each output row reads only its own
 input row), but the stable order keeps the plan itself a pure function of the routing.
@@ -89,7 +90,7 @@ def _scan_kernel(
 
 @triton.jit
 def _place_kernel(
-    ids_ptr, local_ids_ptr, tally_ptr, row_entry_ptr, block_expert_ptr, PAIRS, NUM_ROUTED, TOP_K, ROWS,
+    ids_ptr, local_ids_ptr, tally_ptr, row_entry_ptr, blocks_ptr, PAIRS, NUM_ROUTED, TOP_K, ROWS,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr, LOG2_BINS: tl.constexpr, SHARED: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -123,15 +124,30 @@ def _place_kernel(
         hi = tl.where(right, hi, mid)
     expert = tl.minimum(lo, num_held)
     owned = expert < num_held
-    filled_end = tl.load(run_start + expert, mask=owned, other=0) + tl.load(count + expert, mask=owned, other=0)
+    first_row = tl.load(run_start + expert, mask=owned, other=0)
+    filled_end = first_row + tl.load(count + expert, mask=owned, other=0)
     padding = ~owned | (rows >= filled_end)
     tl.store(row_entry_ptr + rows, tl.full((CHUNK,), -1, tl.int32), mask=in_range & padding)
-    tl.store(block_expert_ptr + rows // BLOCK_M, expert, mask=in_range & (rows % BLOCK_M == 0))
+    _store_blocks(blocks_ptr, rows, in_range, expert, owned, first_row, tl.load(run_end + expert, mask=owned, other=0),
+                  BLOCK_M)
+
+
+@triton.jit
+def _store_blocks(blocks_ptr, rows, in_range, expert, owned, first_row, end_row, BLOCK_M: tl.constexpr):
+    """The plan's `blocks` row of each row block that starts among `rows`: (expert, its run's first block, the
+    run's blocks), or (past the end, the block itself, 1) for a block no run holds."""
+    block = rows // BLOCK_M
+    first = tl.where(owned, first_row // BLOCK_M, block)
+    length = tl.where(owned, (end_row - first_row) // BLOCK_M, 1)
+    starts = in_range & (rows % BLOCK_M == 0)
+    tl.store(blocks_ptr + 3 * block, expert, mask=starts)
+    tl.store(blocks_ptr + 3 * block + 1, first, mask=starts)
+    tl.store(blocks_ptr + 3 * block + 2, length, mask=starts)
 
 
 @triton.jit
 def _one_launch_plan_kernel(
-    ids_ptr, local_ids_ptr, row_entry_ptr, block_expert_ptr, PAIRS, NUM_ROUTED, TOP_K, ROWS,
+    ids_ptr, local_ids_ptr, row_entry_ptr, blocks_ptr, PAIRS, NUM_ROUTED, TOP_K, ROWS,
     BLOCK_M: tl.constexpr, PAIRS_P2: tl.constexpr, ROW_TILE: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
@@ -158,7 +174,9 @@ def _one_launch_plan_kernel(
     tl.store(row_entry_ptr + rows, tl.full((ROW_TILE,), -1, tl.int32), mask=in_range & ~filled)
     owned = tl.sum(in_run.to(tl.int32), 1) > 0
     expert = tl.where(owned, tl.sum(tl.where(in_run, local[None, :], 0), 1), num_held)
-    tl.store(block_expert_ptr + rows // BLOCK_M, expert, mask=in_range & (rows % BLOCK_M == 0))
+    first_row = tl.sum(tl.where(in_run, start[None, :], 0), 1)
+    end_row = first_row + tl.sum(tl.where(in_run, padded[None, :], 0), 1)
+    _store_blocks(blocks_ptr, rows, in_range, expert, owned, first_row, end_row, BLOCK_M)
 
 
 def plan_rows(pairs: int, num_held: int, block_m: int) -> int:
@@ -176,8 +194,9 @@ def one_launch_plan(pairs: int, rows: int) -> bool:
 
 
 def moe_plan(ids: torch.Tensor, local_ids: torch.Tensor, num_routed: int, block_m: int, shared: bool = False):
-    """(row_entry [R] int32: the pair of each padded row or -1, block_expert [R / block_m] int32: the stack
-    index of each row block, num_routed + shared past the end) for routing ids [T, k] and local_ids [E]
+    """(row_entry [R] int32: the pair of each padded row or -1, blocks [R / block_m, 3] int32: each row block's
+    expert's stack index (num_routed + shared past the end), its run's first row block and the run's length in
+    row blocks) for routing ids [T, k] and local_ids [E]
     (an expert's stack index, num_routed when not held). A pair is token * k + slot, or with `shared`
     token * (k + 1) + slot, slot k being the shared expert's (stack index num_routed). Pairs of experts not
     held are dropped. R is fixed by the shapes (every pair in its own expert's run, worst case).
@@ -186,17 +205,17 @@ def moe_plan(ids: torch.Tensor, local_ids: torch.Tensor, num_routed: int, block_
     pairs, num_held = tokens * (top_k + shared), num_routed + shared
     rows = plan_rows(pairs, num_held, block_m)
     row_entry = torch.empty(rows, dtype=torch.int32, device=ids.device)
-    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=ids.device)
+    blocks = torch.empty((rows // block_m, 3), dtype=torch.int32, device=ids.device)
     if pairs == 0:
-        return row_entry, block_expert
+        return row_entry, blocks
     flat_ids = ids.reshape(-1)
     if one_launch_plan(pairs, rows):
         _one_launch_plan_kernel[(1,)](
-            flat_ids, local_ids, row_entry, block_expert, pairs, num_routed, top_k, rows,
+            flat_ids, local_ids, row_entry, blocks, pairs, num_routed, top_k, rows,
             BLOCK_M=block_m, PAIRS_P2=_ONE_LAUNCH_PAIRS, ROW_TILE=triton.next_power_of_2(rows), SHARED=shared,
             num_warps=1, **launch_options(ids.device),
         )
-        return row_entry, block_expert
+        return row_entry, blocks
     chunk = _LARGE_CHUNK if pairs > _LARGE_FROM else _CHUNK
     bins = max(16, triton.next_power_of_2(num_held))
     num_chunks = triton.cdiv(pairs, chunk)
@@ -209,8 +228,8 @@ def moe_plan(ids: torch.Tensor, local_ids: torch.Tensor, num_routed: int, block_
         tally, num_chunks, BLOCK_M=block_m, BINS=bins, SCAN_ROWS=_SCAN_ROWS, num_warps=8, **launch_options(ids.device)
     )
     _place_kernel[(max(num_chunks, triton.cdiv(rows, chunk)),)](
-        flat_ids, local_ids, tally, row_entry, block_expert, pairs, num_routed, top_k, rows,
+        flat_ids, local_ids, tally, row_entry, blocks, pairs, num_routed, top_k, rows,
         BLOCK_M=block_m, CHUNK=chunk, BINS=bins, LOG2_BINS=bins.bit_length() - 1, SHARED=shared,
         num_warps=8 if chunk > 64 else 4, **launch_options(ids.device),
     )
-    return row_entry, block_expert
+    return row_entry, blocks
