@@ -88,7 +88,7 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
                    SHARED_SCALE_BN=scale["SCALE_BN"], SHARED_SCALE_BK=scale["SCALE_BK"], SHARED_BLOCK_K=block_k,
                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                    HALF_TAILS=fused_moe.half_tails(block_m, False), PRESCALED=False,
-                   ROW_GROUP=fused_moe.row_group(block_m), TMA=tma)
+                   ROW_GROUP=fused_moe.row_group(moe_format, block_m), TMA=tma)
         moe_pointers = {"x_ptr": activations, "act_ptr": "*bf16", "xs_ptr": "*fp32", "as_ptr": "*fp32",
                         "row_entry_ptr": "*i32", "blocks_ptr": "*i32", "route_w_ptr": "*fp32", **byte_scales}
         weight_arg = f"tensordesc<{weight[1:]}[{block_n}, {block_k}]>" if tma else weight
@@ -112,8 +112,8 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
     moe = dict(FORMAT=fused_moe.fp4_kernel_format(block_m), SCALE_BN=1, SCALE_BK=1, IEEE=False, A8=False, SHARED=True,
                SHARED_FORMAT=1, SHARED_SCALE_BN=128, SHARED_SCALE_BK=128, SHARED_BLOCK_K=min(block_k, 128),
                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-               HALF_TAILS=fused_moe.half_tails(block_m, False), PRESCALED=False, ROW_GROUP=fused_moe.row_group(block_m),
-               TMA=False)
+               HALF_TAILS=fused_moe.half_tails(block_m, False), PRESCALED=False,
+               ROW_GROUP=fused_moe.row_group(fused_moe.fp4_kernel_format(block_m), block_m), TMA=False)
     mixed = {"x_ptr": "*bf16", "act_ptr": "*bf16", "xs_ptr": "*fp32", "as_ptr": "*fp32", "row_entry_ptr": "*i32",
              "blocks_ptr": "*i32", "route_w_ptr": "*fp32", **byte_scales,
              **{n: WEIGHT_TYPES[2] for n in ("w1_ptr", "w3_ptr", "w2_ptr")},

@@ -221,7 +221,7 @@ def test_row_blocks_grouped_on_column_tiles_give_the_reference(monkeypatch, fmt)
     from deepinfer_kernels import fused_moe
 
     monkeypatch.setattr(fused_moe, "tile_config", lambda *_: (16, 32, 32, 4, 2))
-    monkeypatch.setattr(fused_moe, "row_group", lambda block_m: 2)
+    monkeypatch.setattr(fused_moe, "row_group", lambda kernel_format, block_m: 2)
     x, weights, ids, mlps, shared = _inputs(fmt, torch.bfloat16, 100, seed=11)
     out = TritonOps().fused_moe(x, weights, ids, mlps, shared, 1.5)
     assert_matches(out, KernelOps().fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[torch.bfloat16])

@@ -493,12 +493,14 @@ def slot_sum_in_down_launch(tokens: int, column_tiles: int, held_all: bool) -> b
     return held_all and tokens * column_tiles <= _SLOT_SUM_COUNTERS
 
 
-def row_group(block_m: int) -> int:
-    """`_expert_tile`'s ROW_GROUP for row blocks of block_m rows: 8 for the prefill tiles (H100, V4 widths, bf16,
-    8,192 tokens: the op 7.62 -> 7.33 ms against row block by row block, the 4-layer step 55.48 / 55.37 -> 54.88 /
-    54.91 ms; 16,384 tokens 12.82 -> 12.47 ms); 1, row block by row block, for decode tiles, whose experts hold a
-    block or two (fp4 decode steps 0.5-0.8% slower with 8: 1.18 -> 1.19 ms at batch 1, 4.05 -> 4.07 at 64)."""
-    return 8 if block_m >= 64 else 1
+def row_group(kernel_format: int, block_m: int) -> int:
+    """`_expert_tile`'s ROW_GROUP for row blocks of block_m rows: 8 for 16-bit experts in prefill tiles (H100, V4
+    widths, bf16, 8,192 tokens: the op 7.62 -> 7.33 ms against row block by row block, the 4-layer step 55.48 / 55.37
+    -> 54.88 / 54.91 ms; 16,384 tokens 12.82 -> 12.47 ms); 1, row block by row block, otherwise: fp8 (W8A8) and fp4
+    experts measured the same either way (5.40 / 5.44 and 10.15 / 10.10 ms), and with groups the fp8 gate/up
+    launch spilled more on sm_100 (304 -> 472 bytes, `compile_kernels.py`); decode tiles, whose experts hold a block
+    or two, measured 0.5-0.8% slower with groups (fp4 decode 1.18 -> 1.19 ms at batch 1, 4.05 -> 4.07 at 64)."""
+    return 8 if kernel_format == 0 and block_m >= 64 else 1
 
 
 def down_columns(kernel_format: int, block_m: int, block_n: int) -> int:
@@ -627,7 +629,8 @@ def moe_routed(
         SHARED=fused, SHARED_FORMAT=shared_format,
         SHARED_SCALE_BN=shared.block[0] if mixed else scale_bn, SHARED_SCALE_BK=shared.block[1] if mixed else scale_bk,
         SHARED_BLOCK_K=shared_block_k,
-        HALF_TAILS=half_tails(block_m, batch_invariant), PRESCALED=prescaled, ROW_GROUP=row_group(block_m), TMA=False,
+        HALF_TAILS=half_tails(block_m, batch_invariant), PRESCALED=prescaled,
+        ROW_GROUP=row_group(kernel_format, block_m), TMA=False,
     )
     row_entry, blocks = moe_plan(ids, experts.local_ids, experts.num_held, block_m, fused)
     x = x.contiguous()
