@@ -91,14 +91,16 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
                    ROW_GROUP=fused_moe.row_group(moe_format, block_m), TMA=tma)
         moe_pointers = {"x_ptr": activations, "act_ptr": "*bf16", "xs_ptr": "*fp32", "as_ptr": "*fp32",
                         "row_entry_ptr": "*i32", "blocks_ptr": "*i32", "route_w_ptr": "*fp32", **byte_scales}
-        weight_arg = f"tensordesc<{weight[1:]}[{block_n}, {block_k}]>" if tma else weight
-        moe_pointers.update({n: weight_arg for n in ("w1_ptr", "w3_ptr", "sw1_ptr", "sw3_ptr", "w2_ptr", "sw2_ptr")})
+
+        def weight_arg(rows: int) -> str:  # a weight pointer, or with TMA a descriptor of rows x block_k tiles
+            return f"tensordesc<{weight[1:]}[{rows}, {block_k}]>" if tma else weight
+
+        moe_pointers.update({n: weight_arg(block_n) for n in ("w1_ptr", "w3_ptr", "sw1_ptr", "sw3_ptr")})
         yield f"moe_gate_up[{weight[1:]}]", fused_moe._gate_up_kernel, _types(fused_moe._gate_up_kernel, moe_pointers), \
             moe, warps, stages
         down_n = fused_moe.down_columns(moe_format, block_m, block_n)
-        down = dict(moe_pointers, act_ptr=activations, counter_ptr="*i32")
-        if tma:
-            down.update({n: f"tensordesc<{weight[1:]}[{down_n}, {block_k}]>" for n in ("w2_ptr", "sw2_ptr")})
+        down = dict(moe_pointers, act_ptr=activations, counter_ptr="*i32", w2_ptr=weight_arg(down_n),
+                    sw2_ptr=weight_arg(down_n))
         yield f"moe_down[{weight[1:]}]", fused_moe._down_kernel, _types(fused_moe._down_kernel, down), \
             dict(moe, BLOCK_N=down_n, SUM_SLOTS=0), warps, stages
     # one row of x and an fp8 weight on CUDA cores (`linear.one_row_tiles`)
@@ -109,11 +111,12 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
              BLOCK_N=block_n, BLOCK_K=block_k), warps, stages
     # decode-sized fp4 steps: the fp8 shared expert in its own K loop of the same launches
     block_m, block_n, block_k, warps, stages = fused_moe.tile_config(448, 2, False)
-    moe = dict(FORMAT=fused_moe.fp4_kernel_format(block_m), SCALE_BN=1, SCALE_BK=1, IEEE=False, A8=False, SHARED=True,
+    decode_format = fused_moe.fp4_kernel_format(block_m)
+    moe = dict(FORMAT=decode_format, SCALE_BN=1, SCALE_BK=1, IEEE=False, A8=False, SHARED=True,
                SHARED_FORMAT=1, SHARED_SCALE_BN=128, SHARED_SCALE_BK=128, SHARED_BLOCK_K=min(block_k, 128),
                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                HALF_TAILS=fused_moe.half_tails(block_m, False), PRESCALED=False,
-               ROW_GROUP=fused_moe.row_group(fused_moe.fp4_kernel_format(block_m), block_m), TMA=False)
+               ROW_GROUP=fused_moe.row_group(decode_format, block_m), TMA=False)
     mixed = {"x_ptr": "*bf16", "act_ptr": "*bf16", "xs_ptr": "*fp32", "as_ptr": "*fp32", "row_entry_ptr": "*i32",
              "blocks_ptr": "*i32", "route_w_ptr": "*fp32", **byte_scales,
              **{n: WEIGHT_TYPES[2] for n in ("w1_ptr", "w3_ptr", "w2_ptr")},

@@ -532,6 +532,15 @@ def _weight_rows(weight: torch.Tensor) -> torch.Tensor | None:
     return weight.reshape(-1, weight.shape[-1])
 
 
+def _tma_descriptors(weights: tuple[torch.Tensor, ...], rows: list[int], block_k: int) -> list | None:
+    """TMA descriptors of the weights in tiles of rows[i] x block_k, or None when a weight's layout has none
+    (`_weight_rows`: the launches then take the pointers)."""
+    weights_2d = [_weight_rows(w) for w in weights]
+    if any(w is None for w in weights_2d):
+        return None
+    return [TensorDescriptor.from_tensor(w, [n, block_k]) for w, n in zip(weights_2d, rows)]
+
+
 def moe_supported(experts: StackedExperts, fp8_activations: bool) -> bool:
     """fp8 experts under fp8 activations need K tiles equal to their weight block's K."""
     return not (fp8_activations and weight_format(experts.w1) == 1) or fp8_activation_tiles_supported(experts.block)
@@ -630,7 +639,7 @@ def moe_routed(
         SHARED_SCALE_BN=shared.block[0] if mixed else scale_bn, SHARED_SCALE_BK=shared.block[1] if mixed else scale_bk,
         SHARED_BLOCK_K=shared_block_k,
         HALF_TAILS=half_tails(block_m, batch_invariant), PRESCALED=prescaled,
-        ROW_GROUP=row_group(kernel_format, block_m), TMA=False,
+        ROW_GROUP=row_group(kernel_format, block_m),
     )
     row_entry, blocks = moe_plan(ids, experts.local_ids, experts.num_held, block_m, fused)
     x = x.contiguous()
@@ -651,22 +660,20 @@ def moe_routed(
     else:
         shared_strides = [(w1.stride(1), sn), (w2.stride(1), sn2)]
     down_n = down_columns(kernel_format, block_m, block_n)
-    weight_args = [w1, w3, sw1, sw3, w2, sw2]
-    if weights_through_tma(kernel_format, block_m, ieee):
-        rows = [_weight_rows(w) for w in weight_args]
-        if all(r is not None for r in rows):  # (else a stack of gaps between experts: the pointers)
-            shared_args["TMA"] = True
-            tiles = [block_n] * 4 + [down_n] * 2
-            weight_args = [TensorDescriptor.from_tensor(r, [n, block_k]) for r, n in zip(rows, tiles)]
+    pointers = (w1, w3, sw1, sw3, w2, sw2)
+    descriptors = (_tma_descriptors(pointers, [block_n] * 4 + [down_n] * 2, block_k)
+                   if weights_through_tma(kernel_format, block_m, ieee) else None)
+    tma = descriptors is not None
+    w1_arg, w3_arg, sw1_arg, sw3_arg, w2_arg, sw2_arg = descriptors or pointers
     act = torch.empty((row_entry.shape[0], inter), dtype=x.dtype, device=x.device)
     x_in, x_scales = quantize_fp8_rows(x, block_k) if a8 else (x, x)
     route_w = weights.reshape(-1).float().contiguous()
     _gate_up_kernel[(blocks.shape[0] * triton.cdiv(inter, block_n),)](
-        x_in, x_scales, *weight_args[:2], s1, s3, *weight_args[2:4], ss1, ss3, act, route_w, row_entry, blocks,
+        x_in, x_scales, w1_arg, w3_arg, s1, s3, sw1_arg, sw3_arg, ss1, ss3, act, route_w, row_entry, blocks,
         inter, hidden, top_k, experts.num_held, swiglu_limit,
         x_in.stride(0), x_scales.stride(0), w1.stride(0), w1.stride(1), se, sn, *shared_strides[0], act.stride(0),
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, **shared_args,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, TMA=tma, **shared_args,
         num_warps=warps, num_stages=stages, **launch_options(x.device),
         maxnreg=gate_up_registers(kernel_format, shared_format if mixed else None),
     )
@@ -679,11 +686,11 @@ def moe_routed(
     counters = arrival_counters("MoE slot-sum", x.device, _SLOT_SUM_COUNTERS) if sum_in_down else y  # y: never read
     act_in, act_scales = quantize_fp8_rows(act, block_k) if a8 else (act, act)
     _down_kernel[(blocks.shape[0] * column_tiles,)](
-        act_in, act_scales, weight_args[4], s2, weight_args[5], ss2, y, total, counters, route_w, row_entry, blocks,
+        act_in, act_scales, w2_arg, s2, sw2_arg, ss2, y, total, counters, route_w, row_entry, blocks,
         hidden, inter, top_k, experts.num_held,
         act_in.stride(0), act_scales.stride(0), w2.stride(0), w2.stride(1), se2, sn2, *shared_strides[1], y.stride(0),
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
-        BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, **shared_args,
+        BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, TMA=tma, **shared_args,
         SUM_SLOTS=slots if sum_in_down else 0, num_warps=warps, num_stages=stages, **launch_options(x.device),
     )
     if tokens and not sum_in_down:
