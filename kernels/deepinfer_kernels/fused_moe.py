@@ -240,7 +240,7 @@ def _gate_up_rows(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_dtype = act_ptr.dtype.element_ty
     w1, w_row = _expert_weight(w1_ptr, expert, N, stride_we, pid_n * BLOCK_N, TMA)
-    w3, w_row = _expert_weight(w3_ptr, expert, N, stride_we, pid_n * BLOCK_N, TMA)
+    w3, _ = _expert_weight(w3_ptr, expert, N, stride_we, pid_n * BLOCK_N, TMA)  # (the same row as w1's)
     s1 = s1_ptr + expert.to(tl.int64) * stride_se
     s3 = s3_ptr + expert.to(tl.int64) * stride_se
     if SHARED_FORMAT == FORMAT:  # the shared expert's row blocks (if any) read its weights in the same loop
