@@ -534,11 +534,18 @@ def _weight_rows(weight: torch.Tensor) -> torch.Tensor | None:
 
 def _tma_descriptors(weights: tuple[torch.Tensor, ...], rows: list[int], block_k: int) -> list | None:
     """TMA descriptors of the weights in tiles of rows[i] x block_k, or None when a weight's layout has none
-    (`_weight_rows`: the launches then take the pointers)."""
+    (`_weight_rows`: the launches then take the pointers). A weight given twice in the same tiles (the experts' own
+    in the shared expert's place when none is fused) gets one descriptor."""
     weights_2d = [_weight_rows(w) for w in weights]
     if any(w is None for w in weights_2d):
         return None
-    return [TensorDescriptor.from_tensor(w, [n, block_k]) for w, n in zip(weights_2d, rows)]
+    made, descriptors = {}, []
+    for w, n in zip(weights_2d, rows):
+        key = (w.data_ptr(), w.shape, n)
+        if key not in made:
+            made[key] = TensorDescriptor.from_tensor(w, [n, block_k])
+        descriptors.append(made[key])
+    return descriptors
 
 
 def moe_supported(experts: StackedExperts, fp8_activations: bool) -> bool:
