@@ -96,8 +96,12 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
             return f"tensordesc<{weight[1:]}[{rows}, {block_k}]>" if tma else weight
 
         moe_pointers.update({n: weight_arg(block_n) for n in ("w1_ptr", "w3_ptr", "sw1_ptr", "sw3_ptr")})
-        yield f"moe_gate_up[{weight[1:]}]", fused_moe._gate_up_kernel, _types(fused_moe._gate_up_kernel, moe_pointers), \
-            moe, warps, stages
+        # W8A8's gate/up launch stores the activation's fp8 codes (`fused_moe.act_quantized_in_gate_up`)
+        quant_act = fused_moe.act_quantized_in_gate_up(a8, block_n, block_k)
+        gate_up_pointers = dict(moe_pointers, act_ptr="*fp8e4nv" if quant_act else "*bf16")
+        yield f"moe_gate_up[{weight[1:]}]", fused_moe._gate_up_kernel, \
+            _types(fused_moe._gate_up_kernel, gate_up_pointers), dict(moe, ACT_DTYPE="bf16", QUANT_ACT=quant_act), \
+            warps, stages
         down_n = fused_moe.down_columns(moe_format, block_m, block_n)
         down = dict(moe_pointers, act_ptr=activations, counter_ptr="*i32", w2_ptr=weight_arg(down_n),
                     sw2_ptr=weight_arg(down_n))
@@ -123,8 +127,8 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
              **{n: WEIGHT_TYPES[1] for n in ("sw1_ptr", "sw3_ptr", "sw2_ptr")}}
     gate_up, down = fused_moe._gate_up_kernel, fused_moe._down_kernel
     registers = fused_moe.gate_up_registers(moe["FORMAT"], 1)  # (a launch option: `_compile` takes it out)
-    yield ("moe_gate_up[i32+fp8 shared, decode]", gate_up, _types(gate_up, mixed), dict(moe, maxnreg=registers), warps,
-           stages)
+    yield ("moe_gate_up[i32+fp8 shared, decode]", gate_up, _types(gate_up, mixed),
+           dict(moe, ACT_DTYPE="bf16", QUANT_ACT=False, maxnreg=registers), warps, stages)
     # a decode step sums each token's 7 slots in the down launch (`fused_moe.slot_sum_in_down_launch`)
     yield "moe_down[i32+fp8 shared, decode]", down, _types(down, dict(mixed, counter_ptr="*i32")), \
         dict(moe, SUM_SLOTS=7), warps, stages

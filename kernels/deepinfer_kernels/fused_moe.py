@@ -31,7 +31,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deepinfer_core.platform.kernel_ops import MlpWeights
-from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, quantize_fp8_rows
+from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, quantize_fp8_rows, quantize_groups
 from deepinfer_kernels.arrival_counters import arrival_counters
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 from deepinfer_kernels.moe_plan import moe_plan
@@ -41,9 +41,9 @@ from deepinfer_kernels.weight_tiles import (
 )
 
 __all__ = [
-    "StackedExperts", "down_columns", "fp4_kernel_format", "gate_up_registers", "half_tails", "moe_routed",
-    "moe_supported", "row_group", "shared_fusable", "slot_sum_in_down_launch", "step_pairs", "tile_config",
-    "weights_through_tma",
+    "StackedExperts", "act_quantized_in_gate_up", "down_columns", "fp4_kernel_format", "gate_up_registers",
+    "half_tails", "moe_routed", "moe_supported", "row_group", "shared_fusable", "slot_sum_in_down_launch",
+    "step_pairs", "tile_config", "weights_through_tma",
 ]
 
 
@@ -194,14 +194,14 @@ def _expert_tile(blocks_ptr, N, BLOCK_N: tl.constexpr, ROW_GROUP: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr, route_w_ptr,
+    x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr, as_ptr, route_w_ptr,
     row_entry_ptr, blocks_ptr, N, K, TOP_K, NUM_ROUTED, limit,
-    stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_am,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_am, stride_asm,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
     SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
     SHARED_BLOCK_K: tl.constexpr, HALF_TAILS: tl.constexpr, PRESCALED: tl.constexpr, ROW_GROUP: tl.constexpr,
-    TMA: tl.constexpr, PDL: tl.constexpr,
+    TMA: tl.constexpr, ACT_DTYPE: tl.constexpr, QUANT_ACT: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
     expert, pid_m, pid_n = _expert_tile(blocks_ptr, N, BLOCK_N, ROW_GROUP)
@@ -210,35 +210,39 @@ def _gate_up_kernel(
     # An expert run's last row block holds its rows first: at half or less, half a tile computes it.
     if HALF_TAILS and tl.load(row_entry_ptr + pid_m * BLOCK_M + BLOCK_M // 2) < 0:
         _gate_up_rows(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr,
-                      route_w_ptr, row_entry_ptr, pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, limit,
-                      stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn,
-                      stride_am, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M // 2, BLOCK_N, BLOCK_K, IEEE, A8, SHARED,
-                      SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, SHARED_BLOCK_K, PRESCALED, TMA)
+                      as_ptr, route_w_ptr, row_entry_ptr, pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED,
+                      limit, stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn,
+                      stride_ssn, stride_am, stride_asm, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M // 2, BLOCK_N, BLOCK_K,
+                      IEEE, A8, SHARED, SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, SHARED_BLOCK_K, PRESCALED,
+                      TMA, ACT_DTYPE, QUANT_ACT)
     else:
         _gate_up_rows(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr,
-                      route_w_ptr, row_entry_ptr, pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED, limit,
-                      stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn,
-                      stride_am, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, A8, SHARED,
-                      SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, SHARED_BLOCK_K, PRESCALED, TMA)
+                      as_ptr, route_w_ptr, row_entry_ptr, pid_m * BLOCK_M, expert, pid_n, N, K, TOP_K, NUM_ROUTED,
+                      limit, stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn,
+                      stride_ssn, stride_am, stride_asm, FORMAT, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K,
+                      IEEE, A8, SHARED, SHARED_FORMAT, SHARED_SCALE_BN, SHARED_SCALE_BK, SHARED_BLOCK_K, PRESCALED,
+                      TMA, ACT_DTYPE, QUANT_ACT)
 
 
 @triton.jit
 def _gate_up_rows(
-    x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr, route_w_ptr,
+    x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sw1_ptr, sw3_ptr, ss1_ptr, ss3_ptr, act_ptr, as_ptr, route_w_ptr,
     row_entry_ptr, row0, expert, pid_n, N, K, TOP_K, NUM_ROUTED, limit,
-    stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_am,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_swn, stride_ssn, stride_am, stride_asm,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
     SHARED: tl.constexpr, SHARED_FORMAT: tl.constexpr, SHARED_SCALE_BN: tl.constexpr, SHARED_SCALE_BK: tl.constexpr,
-    SHARED_BLOCK_K: tl.constexpr, PRESCALED: tl.constexpr, TMA: tl.constexpr,
+    SHARED_BLOCK_K: tl.constexpr, PRESCALED: tl.constexpr, TMA: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    QUANT_ACT: tl.constexpr,
 ):
-    """act for BLOCK_M rows from row0 of `expert`'s run (launch 1 of `moe_routed`); with TMA the weight arguments
-    are descriptors of the stacks' rows [E * N, K] (the shared expert's of its [N, K])."""
+    """act for BLOCK_M rows from row0 of `expert`'s run (launch 1 of `moe_routed`), in x's dtype (ACT_DTYPE), or with
+    QUANT_ACT (`act_quantized_in_gate_up`) as its fp8 codes, as_ptr taking their scales; with TMA the weight
+    arguments are descriptors of the stacks' rows [E * N, K] (the shared expert's of its [N, K])."""
     offs_m = row0 + tl.arange(0, BLOCK_M)
     entry = tl.load(row_entry_ptr + offs_m)
     token = tl.where(entry >= 0, entry // (TOP_K + SHARED), 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_dtype = act_ptr.dtype.element_ty
+    out_dtype: tl.constexpr = _dtype_named(ACT_DTYPE)
     w1, w_row = _expert_weight(w1_ptr, expert, N, stride_we, pid_n * BLOCK_N, TMA)
     w3, _ = _expert_weight(w3_ptr, expert, N, stride_we, pid_n * BLOCK_N, TMA)  # (the same row as w1's)
     s1 = s1_ptr + expert.to(tl.int64) * stride_se
@@ -267,6 +271,11 @@ def _gate_up_rows(
         act = gate / (1.0 + tl.exp(-gate)) * up * _route_weights(route_w_ptr, entry, TOP_K, SHARED)[:, None]
     else:
         act = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32) * up
+    act = act.to(out_dtype)
+    if QUANT_ACT:  # the tile's columns are one quantisation group of each row (past N: zeros, as x's padding)
+        codes, scales = quantize_groups(act.to(tl.float32), 1)
+        tl.store(as_ptr + offs_m.to(tl.int64) * stride_asm + pid_n, scales)
+        act = codes
     tl.store(act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :],
              act.to(act_ptr.dtype.element_ty), mask=offs_n[None, :] < N)
 
@@ -512,6 +521,23 @@ def down_columns(kernel_format: int, block_m: int, block_n: int) -> int:
     return 2 * block_n if kernel_format == 0 and block_m == 128 else block_n
 
 
+def act_quantized_in_gate_up(a8: bool, block_n: int, block_k: int) -> bool:
+    """Whether the gate/up launch stores the activation as fp8 codes and scales (W8A8: `a8`), in place of
+    x's dtype for a quantisation launch to read back: when each of its column tiles is exactly one
+    quantisation group of w2's K (block_n == block_k, the prefill tiles of 128 x 128 blocks). The same codes
+    as that launch's (the interpreter's tests compare them bitwise)."""
+    return a8 and block_n == block_k
+
+
+# The activation's dtype by name, a constexpr that the recorded launches' JSON can hold (`tests/kernel_launches.py`).
+_ACT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@triton.constexpr_function
+def _dtype_named(name):
+    return {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[name]
+
+
 def weights_through_tma(kernel_format: int, block_m: int, ieee: bool) -> bool:
     """Whether both launches read the weights through TMA descriptors (`_weight_tile`): 16-bit experts (not the
     float32 MMAs of `ieee`) in tiles of 64 rows or more (the prefill tiles, batch-invariant mode's; the same bits
@@ -672,15 +698,19 @@ def moe_routed(
                    if weights_through_tma(kernel_format, block_m, ieee) else None)
     tma = descriptors is not None
     w1_arg, w3_arg, sw1_arg, sw3_arg, w2_arg, sw2_arg = descriptors or pointers
-    act = torch.empty((row_entry.shape[0], inter), dtype=x.dtype, device=x.device)
+    quant_act = act_quantized_in_gate_up(a8, block_n, block_k)
+    act = torch.empty((row_entry.shape[0], inter), dtype=torch.float8_e4m3fn if quant_act else x.dtype, device=x.device)
+    act_scales = (torch.empty((act.shape[0], triton.cdiv(inter, block_k)), dtype=torch.float32, device=x.device)
+                  if quant_act else act)
     x_in, x_scales = quantize_fp8_rows(x, block_k) if a8 else (x, x)
     route_w = weights.reshape(-1).float().contiguous()
     _gate_up_kernel[(blocks.shape[0] * triton.cdiv(inter, block_n),)](
-        x_in, x_scales, w1_arg, w3_arg, s1, s3, sw1_arg, sw3_arg, ss1, ss3, act, route_w, row_entry, blocks,
-        inter, hidden, top_k, experts.num_held, swiglu_limit,
+        x_in, x_scales, w1_arg, w3_arg, s1, s3, sw1_arg, sw3_arg, ss1, ss3, act, act_scales, route_w, row_entry,
+        blocks, inter, hidden, top_k, experts.num_held, swiglu_limit,
         x_in.stride(0), x_scales.stride(0), w1.stride(0), w1.stride(1), se, sn, *shared_strides[0], act.stride(0),
-        FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, TMA=tma, **shared_args,
+        act_scales.stride(0), FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, TMA=tma,
+        ACT_DTYPE=_ACT_DTYPES[x.dtype], QUANT_ACT=quant_act, **shared_args,
         num_warps=warps, num_stages=stages, **launch_options(x.device),
         maxnreg=gate_up_registers(kernel_format, shared_format if mixed else None),
     )
@@ -691,11 +721,12 @@ def moe_routed(
     column_tiles = triton.cdiv(hidden, down_n)
     sum_in_down = slot_sum_in_down_launch(tokens, column_tiles, held_all)
     counters = arrival_counters("MoE slot-sum", x.device, _SLOT_SUM_COUNTERS) if sum_in_down else y  # y: never read
-    act_in, act_scales = quantize_fp8_rows(act, block_k) if a8 else (act, act)
+    if a8 and not quant_act:
+        act, act_scales = quantize_fp8_rows(act, block_k)
     _down_kernel[(blocks.shape[0] * column_tiles,)](
-        act_in, act_scales, w2_arg, s2, sw2_arg, ss2, y, total, counters, route_w, row_entry, blocks,
+        act, act_scales, w2_arg, s2, sw2_arg, ss2, y, total, counters, route_w, row_entry, blocks,
         hidden, inter, top_k, experts.num_held,
-        act_in.stride(0), act_scales.stride(0), w2.stride(0), w2.stride(1), se2, sn2, *shared_strides[1], y.stride(0),
+        act.stride(0), act_scales.stride(0), w2.stride(0), w2.stride(1), se2, sn2, *shared_strides[1], y.stride(0),
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, TMA=tma, **shared_args,
         SUM_SLOTS=slots if sum_in_down else 0, num_warps=warps, num_stages=stages, **launch_options(x.device),

@@ -34,10 +34,12 @@ def tile_config(tokens: int, batch_invariant: bool) -> tuple[int, int, int, int]
 def update_mix_tiles(tokens: int, n: int, batch_invariant: bool) -> tuple[int, int, int, int]:
     """(COLUMNS, BLOCK_D, BLOCK_T, warps) of `hc_update_mix`'s partial launch: `tile_config`'s rows and warps;
     each program takes COLUMNS columns of D in all n streams, `hc_mix`'s chunk of flat columns over n (rounded up
-    to a power of two, so that COLUMNS is one and BLOCK_D divides it), in steps of BLOCK_D = 32: with 64 the
-    prefill tile spills (`scripts/compile_kernels.py`; not timed on a GPU)."""
+    to a power of two, so that COLUMNS is one and BLOCK_D divides it), in steps of BLOCK_D: 64 in the prefill
+    tile (64 rows), 32 else. H100, V4 widths, 8,192 tokens: 440 us in steps of 32, 375 in steps of 64 (as
+    `hc_update` then `hc_mix`, 373); 4 / 8 warps, 32 / 64 / 128 rows, 128 to 1,024 columns no better than 2%
+    (BENCHMARKS.md). The batch-invariant mode's 16 rows take 32 whatever the step."""
     chunk, _, block_t, warps = tile_config(tokens, batch_invariant)
-    block_d = 32
+    block_d = 64 if block_t == 64 else 32
     return max(block_d, chunk // triton.next_power_of_2(n)), block_d, block_t, warps
 
 

@@ -1,9 +1,10 @@
-"""Interleaved partial RoPE: each program takes ROWS rows of the last dim, copies their leading channels
-and rotates the trailing 2*len(inv_freq) in pairs, in one read and one write; in place, only the rotated
-channels are read and written (a 512-wide head with 64 rotated channels: 1/8 of the bytes).
-
-Measured on an H200 (BENCHMARKS.md), q of 8192 tokens x 64 heads: 380 us copying, 300 us in place,
-far from the bytes' bound (~35 us in place); a variant computing cos / sin once per token was no faster.
+"""Interleaved partial RoPE: each program takes TOKENS tokens' rows (BLOCK_R of each) of the last dim, copies
+their leading channels and rotates the trailing 2*len(inv_freq) in pairs, in one read and one write; in place,
+only the rotated channels are read and written (a 512-wide head with 64 rotated channels: 1/8 of the bytes).
+The rotated channels load as one contiguous run a row and split into their pairs in registers; cos and sin are
+computed once a token, for all its rows. (Loading the pairs' two halves with stride 2 and taking cos / sin a row,
+16 rows a program, the indexer's q of 8,192 tokens x 64 heads x 128 in place took 316 us on an H100, ~7x the
+bytes' time; BENCHMARKS.md.)
 """
 
 from __future__ import annotations
@@ -17,37 +18,38 @@ from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous
 __all__ = ["rope", "rope_supported", "rotate_tile"]
 
 # Rows per program: one head's 32 rotated pairs alone are too little work for a program.
-ROWS = 16
+ROWS = 64
 
 
 @triton.jit
 def _rope_kernel(
-    x_ptr, pos_ptr, freq_ptr, out_ptr, num_rows, rows_per_token, D, HALF: tl.constexpr, SIGN: tl.constexpr,
-    BLOCK_D: tl.constexpr, IN_PLACE: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, pos_ptr, freq_ptr, out_ptr, num_tokens, rows_per_token, D, HALF: tl.constexpr, SIGN: tl.constexpr,
+    BLOCK_D: tl.constexpr, TOKENS: tl.constexpr, BLOCK_R: tl.constexpr, IN_PLACE: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    live = rows < num_rows
-    base = rows * D
+    tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    in_token = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = (tokens < num_tokens)[:, None] & (in_token < rows_per_token)[None, :]  # [TOKENS, BLOCK_R]
+    base = (tokens.to(tl.int64)[:, None] * rows_per_token + in_token[None, :]) * D
     dtype = out_ptr.dtype.element_ty
     lead = D - 2 * HALF
     if not IN_PLACE:
         cols = tl.arange(0, BLOCK_D)
-        keep = live[:, None] & (cols[None, :] < lead)
-        at = base[:, None] + cols[None, :]
+        keep = live[:, :, None] & (cols[None, None, :] < lead)
+        at = base[:, :, None] + cols[None, None, :]
         tl.store(out_ptr + at, tl.load(x_ptr + at, mask=keep), mask=keep)
 
-    pairs = tl.arange(0, HALF)
-    position = tl.load(pos_ptr + rows // rows_per_token, mask=live, other=0).to(tl.float32)
-    angle = position[:, None] * tl.load(freq_ptr + pairs)[None, :]
+    position = tl.load(pos_ptr + tokens, mask=tokens < num_tokens, other=0).to(tl.float32)
+    angle = position[:, None] * tl.load(freq_ptr + tl.arange(0, HALF))[None, :]  # [TOKENS, HALF]
     # cos / sin rounded to the activations' dtype first, as the reference model does
-    cos = tl.cos(angle).to(dtype).to(tl.float32)
-    sin = SIGN * tl.sin(angle).to(dtype).to(tl.float32)
-    even = base[:, None] + lead + 2 * pairs[None, :]
-    a = tl.load(x_ptr + even, mask=live[:, None]).to(tl.float32)
-    b = tl.load(x_ptr + even + 1, mask=live[:, None]).to(tl.float32)
-    tl.store(out_ptr + even, (a * cos - b * sin).to(dtype), mask=live[:, None])
-    tl.store(out_ptr + even + 1, (b * cos + a * sin).to(dtype), mask=live[:, None])
+    cos = tl.cos(angle).to(dtype).to(tl.float32)[:, None, :]
+    sin = SIGN * tl.sin(angle).to(dtype).to(tl.float32)[:, None, :]
+    at = base[:, :, None] + lead + tl.arange(0, 2 * HALF)[None, None, :]
+    rotated = live[:, :, None]
+    a, b = tl.split(tl.reshape(tl.load(x_ptr + at, mask=rotated), [TOKENS, BLOCK_R, HALF, 2]))
+    a, b = a.to(tl.float32), b.to(tl.float32)
+    pairs = tl.join((a * cos - b * sin).to(dtype), (b * cos + a * sin).to(dtype))
+    tl.store(out_ptr + at, tl.reshape(pairs, [TOKENS, BLOCK_R, 2 * HALF]), mask=rotated)
 
 
 @triton.jit
@@ -81,12 +83,15 @@ def rope(
     x = x.contiguous()
     out = x if in_place else torch.empty_like(x)
     d = x.shape[-1]
-    rows = x.numel() // d
-    if rows:
-        _rope_kernel[(triton.cdiv(rows, ROWS),)](
-            x, positions.contiguous(), inv_freq.float().contiguous(), out, rows, rows // x.shape[0], d,
+    tokens = x.shape[0]
+    if x.numel():
+        rows_per_token = x.numel() // (d * tokens)
+        block_r = min(triton.next_power_of_2(rows_per_token), ROWS)
+        per_program = ROWS // block_r
+        _rope_kernel[(triton.cdiv(tokens, per_program), triton.cdiv(rows_per_token, block_r))](
+            x, positions.contiguous(), inv_freq.float().contiguous(), out, tokens, rows_per_token, d,
             HALF=half, SIGN=-1.0 if inverse else 1.0, BLOCK_D=triton.next_power_of_2(max(d - 2 * half, 1)),
-            IN_PLACE=in_place, ROWS=ROWS, **launch_options(x.device),
+            TOKENS=per_program, BLOCK_R=block_r, IN_PLACE=in_place, **launch_options(x.device),
         )
     return out
 
