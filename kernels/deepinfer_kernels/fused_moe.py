@@ -13,7 +13,8 @@ expert is one more pair per token (stack index E_held, its own weight pointers, 
 MLP launches, and x read and quantised once. Stored in fp8 beside fp4 experts (the fp4 checkpoints), its
 row blocks take a K loop of their own format in the same launches. With
 `fp8_activations`, fp8 experts meet x and the activation quantised to fp8 (`activation_quant`: x once per
-token before launch 1, the activation between the launches), as in `linear`. `prescaled` (DeepSeek-V4.1)
+token before launch 1, the activation between the launches, or in launch 1's epilogue where a column tile is one
+quantisation group: `act_quantized_in_gate_up`), as in `linear`. `prescaled` (DeepSeek-V4.1)
 moves the routing weight from w2's output into launch 1's epilogue: it scales the activation before w2.
 fp4 experts at decode sizes decode their weights in inline PTX in pair order and put them on the MMA's tall
 side, x's few rows on its narrow side (`fp4_kernel_format`, `_tile_dot`). An expert's programs walk its weight's
@@ -272,7 +273,7 @@ def _gate_up_rows(
     else:
         act = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32) * up
     act = act.to(out_dtype)
-    if QUANT_ACT:  # the tile's columns are one quantisation group of each row (past N: zeros, as x's padding)
+    if QUANT_ACT:  # the tile's columns are one quantisation group of each row (past N they hold zeros)
         codes, scales = quantize_groups(act.to(tl.float32), 1)
         tl.store(as_ptr + offs_m.to(tl.int64) * stride_asm + pid_n, scales)
         act = codes
