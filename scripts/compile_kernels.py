@@ -100,7 +100,7 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
         quant_act = fused_moe.act_quantized_in_gate_up(a8, block_n, block_k)
         gate_up_pointers = dict(moe_pointers, act_ptr="*fp8e4nv" if quant_act else "*bf16")
         yield f"moe_gate_up[{weight[1:]}]", fused_moe._gate_up_kernel, \
-            _types(fused_moe._gate_up_kernel, gate_up_pointers), dict(moe, ACT_DTYPE="bf16", QUANT_ACT=quant_act), \
+            _types(fused_moe._gate_up_kernel, gate_up_pointers), dict(moe, ACT_DTYPE="bfloat16", QUANT_ACT=quant_act), \
             warps, stages
         down_n = fused_moe.down_columns(moe_format, block_m, block_n)
         down = dict(moe_pointers, act_ptr=activations, counter_ptr="*i32", w2_ptr=weight_arg(down_n),
@@ -128,7 +128,7 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
     gate_up, down = fused_moe._gate_up_kernel, fused_moe._down_kernel
     registers = fused_moe.gate_up_registers(moe["FORMAT"], 1)  # (a launch option: `_compile` takes it out)
     yield ("moe_gate_up[i32+fp8 shared, decode]", gate_up, _types(gate_up, mixed),
-           dict(moe, ACT_DTYPE="bf16", QUANT_ACT=False, maxnreg=registers), warps, stages)
+           dict(moe, ACT_DTYPE="bfloat16", QUANT_ACT=False, maxnreg=registers), warps, stages)
     # a decode step sums each token's 7 slots in the down launch (`fused_moe.slot_sum_in_down_launch`)
     yield "moe_down[i32+fp8 shared, decode]", down, _types(down, dict(mixed, counter_ptr="*i32")), \
         dict(moe, SUM_SLOTS=7), warps, stages

@@ -530,13 +530,15 @@ def act_quantized_in_gate_up(a8: bool, block_n: int, block_k: int) -> bool:
     return a8 and block_n == block_k
 
 
-# The activation's dtype by name, a constexpr that the recorded launches' JSON can hold (`tests/kernel_launches.py`).
-_ACT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+def _dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype's name, which Triton's dtype shares ("bfloat16"): a constexpr the recorded launches' JSON
+    can hold (`tests/kernel_launches.py`), where a Triton dtype would not serialise."""
+    return str(dtype).removeprefix("torch.")
 
 
 @triton.constexpr_function
 def _dtype_named(name):
-    return {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[name]
+    return getattr(tl, name)
 
 
 def weights_through_tma(kernel_format: int, block_m: int, ieee: bool) -> bool:
@@ -711,7 +713,7 @@ def moe_routed(
         x_in.stride(0), x_scales.stride(0), w1.stride(0), w1.stride(1), se, sn, *shared_strides[0], act.stride(0),
         act_scales.stride(0), FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, TMA=tma,
-        ACT_DTYPE=_ACT_DTYPES[x.dtype], QUANT_ACT=quant_act, **shared_args,
+        ACT_DTYPE=_dtype_name(x.dtype), QUANT_ACT=quant_act, **shared_args,
         num_warps=warps, num_stages=stages, **launch_options(x.device),
         maxnreg=gate_up_registers(kernel_format, shared_format if mixed else None),
     )
