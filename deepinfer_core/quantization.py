@@ -21,9 +21,11 @@ __all__ = [
     "FP8_E4M3_MAX",
     "QuantizationFormatError",
     "dequantize_fp4",
+    "dequantize_fp8_activations",
     "dequantize_fp8_block",
     "fake_quantize_fp8_activations",
     "quantize_fp4",
+    "quantize_fp8_activations",
     "quantize_fp8_block",
 ]
 
@@ -93,9 +95,9 @@ def quantize_fp8_block(
     return quantised.to(torch.float8_e4m3fn).contiguous(), _e8m0_from_exponent(exponent)
 
 
-def fake_quantize_fp8_activations(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x rounded as an fp8 kernel quantises it before its MMAs; returned in x.dtype (exact: e4m3 values
-    times powers of two fit bfloat16 and float32).
+def quantize_fp8_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] quantised as an fp8 kernel quantises it before its MMAs: (float8_e4m3fn codes [..., K], float32
+    scales [..., ceil(K / group)]), x ~ codes * scale of the column's group.
 
     Each row's consecutive `group` columns share the scale 2^e, e the smallest with
     max(amax, 1e-4) <= 448 * 2^e; each value becomes the nearest e4m3 value (ties to even) of x / 2^e.
@@ -104,9 +106,25 @@ def fake_quantize_fp8_activations(x: torch.Tensor, group: int) -> torch.Tensor:
     padded = torch.nn.functional.pad(x.float(), (0, _ceil_div(cols, group) * group - cols))
     groups = padded.unflatten(-1, (-1, group))
     amax = groups.abs().amax(dim=-1).clamp(min=FP8_ACTIVATION_AMAX_FLOOR)
-    exponent = _scale_exponent(amax, FP8_E4M3_MAX).to(torch.float32)[..., None]
-    codes = torch.ldexp(groups, -exponent).to(torch.float8_e4m3fn)
-    return torch.ldexp(codes.to(torch.float32), exponent).flatten(-2)[..., :cols].to(x.dtype)
+    exponent = _scale_exponent(amax, FP8_E4M3_MAX).to(torch.float32)
+    codes = torch.ldexp(groups, -exponent[..., None]).to(torch.float8_e4m3fn)
+    return codes.flatten(-2)[..., :cols], torch.ldexp(torch.ones_like(exponent), exponent)
+
+
+def dequantize_fp8_activations(
+    codes: torch.Tensor, scales: torch.Tensor, group: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """`quantize_fp8_activations`' codes times their scales, in `dtype` (exact: e4m3 values times powers of two fit
+    bfloat16 and float32)."""
+    cols = codes.shape[-1]
+    values = codes.float() * scales.repeat_interleave(group, dim=-1)[..., :cols]
+    return values.to(dtype)
+
+
+def fake_quantize_fp8_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x rounded as an fp8 kernel quantises it before its MMAs (`quantize_fp8_activations`); returned in
+    x.dtype, exactly."""
+    return dequantize_fp8_activations(*quantize_fp8_activations(x, group), group, x.dtype)
 
 
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -150,11 +150,14 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
     kernel = sparse_attention_wgmma._wgmma_attention_kernel
     for layer, entries, selected, per_block in (("sliding", False, False, 1), ("hca", True, False, 1),
                                                 ("csa", True, True, 32)):
-        for rotary in (False, True):
-            yield (f"{'rotary' if rotary else 'sparse'}_attention_wgmma[{layer}]", kernel,
-                   _types(kernel, attention_pointers), dict(
+        # W8A8 (V4's 128-column blocks): the rotary output stored as fp8 codes (`quantizes_output`)
+        for rotary, group in ((False, 0), (True, 0), (True, 128)):
+            pointers = dict(attention_pointers, out_ptr="*fp8e4nv", scales_ptr="*fp32") if group else \
+                attention_pointers
+            yield (f"{'rotary' if rotary else 'sparse'}_attention_wgmma[{layer}{', fp8 out' if group else ''}]",
+                   kernel, _types(kernel, pointers), dict(
                        HAS_ENTRIES=entries, HAS_SELECTED=selected, HAS_WINDOW_STARTS=False, RING=128,
-                       PER_BLOCK=per_block, ROTARY=rotary, Q_NORM=rotary, ROPE_BLOCK=64,
+                       PER_BLOCK=per_block, ROTARY=rotary, Q_NORM=rotary, ROPE_BLOCK=64, QUANT_GROUP=group,
                        num_warps=sparse_attention_wgmma.WARPS),  # (a Gluon kernel's parameter)
                    sparse_attention_wgmma.WARPS, 1)
     # the attention's latent norms (V4-Flash: q rank 1,024, KV 512 rotated in its last 64)

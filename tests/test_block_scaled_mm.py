@@ -42,12 +42,12 @@ def test_prefill_sized_projections_of_unquantised_x_are_the_reference_op(fmt):
                             "fp8": (*quantize_fp8_block(w, (32, 64)), (32, 64)), "fp4": (*quantize_fp4(w), None)}[fmt]
     ops, reference = TritonOps(), KernelOps()
     on_cublas = fmt != "fp4"
-    assert ops._dense_on_cublas(x, weight, block, rows) == on_cublas
+    assert ops._dense_on_cublas(x.dtype, x.device, weight, block, rows) == on_cublas
     if on_cublas:
         assert torch.equal(ops.linear(x, weight, scale, block), reference.linear(x, weight, scale, block))
-    assert not ops._dense_on_cublas(x, weight, block, rows - 1)
+    assert not ops._dense_on_cublas(x.dtype, x.device, weight, block, rows - 1)
     ops.batch_invariant = True
-    assert not ops._dense_on_cublas(x, weight, block, rows)
+    assert not ops._dense_on_cublas(x.dtype, x.device, weight, block, rows)
     if fmt == "dense":
         grouped = x.view(rows, 2, 128)
         assert torch.equal(TritonOps().grouped_linear(grouped, weight[:, :128]),
@@ -90,11 +90,11 @@ def test_w8a8_of_prefill_size_in_small_blocks_is_the_reference_op(monkeypatch):
     x = (torch.randn(rows, 64, generator=gen) * 3).to(torch.bfloat16)
     weight, scale = quantize_fp8_block(torch.randn(96, 64, generator=gen) / 8, (32, 32))
     ops, reference = _w8a8(TritonOps), _w8a8(KernelOps)
-    assert ops._dense_on_cublas(x, weight, (32, 32), rows)
-    assert not ops._dense_on_cublas(x, weight, (32, 32), rows - 1)
+    assert ops._dense_on_cublas(x.dtype, x.device, weight, (32, 32), rows)
+    assert not ops._dense_on_cublas(x.dtype, x.device, weight, (32, 32), rows - 1)
     assert torch.equal(ops.linear(x, weight, scale, (32, 32)), reference.linear(x, weight, scale, (32, 32)))
     monkeypatch.setattr(ops, "_block_scaled_supported", lambda *args: True)
-    assert not ops._dense_on_cublas(x, weight, (128, 128), rows)
+    assert not ops._dense_on_cublas(x.dtype, x.device, weight, (128, 128), rows)
 
 
 def test_float32_x_of_prefill_size_is_the_reference_op():
@@ -104,17 +104,17 @@ def test_float32_x_of_prefill_size_is_the_reference_op():
     x = torch.randn(CUBLAS_FLOAT32_ROWS, 64, generator=gen)
     weight = (torch.randn(48, 64, generator=gen) / 8).to(torch.bfloat16)
     ops = TritonOps()
-    assert ops._dense_on_cublas(x, weight, None, CUBLAS_FLOAT32_ROWS)
+    assert ops._dense_on_cublas(x.dtype, x.device, weight, None, CUBLAS_FLOAT32_ROWS)
     assert torch.equal(ops.linear(x, weight), KernelOps().linear(x, weight))
-    assert not ops._dense_on_cublas(x, weight, None, CUBLAS_FLOAT32_ROWS - 1)
+    assert not ops._dense_on_cublas(x.dtype, x.device, weight, None, CUBLAS_FLOAT32_ROWS - 1)
     ops.batch_invariant = True
-    assert not ops._dense_on_cublas(x, weight, None, CUBLAS_FLOAT32_ROWS)
+    assert not ops._dense_on_cublas(x.dtype, x.device, weight, None, CUBLAS_FLOAT32_ROWS)
 
 
 def test_only_whole_128_blocks_on_a_device_that_has_it():
     gen = torch.Generator().manual_seed(3)
     weight, _ = _fp8_weight(256, 512, gen)
     x = torch.randn(8, 512, generator=gen).to(torch.bfloat16)
-    assert not block_scaled_supported(x, weight, (128, 128), 8), "the CPU has no cuBLAS"
-    assert not block_scaled_supported(x, weight, (64, 64), 8)
+    assert not block_scaled_supported(x.dtype, x.device, weight, (128, 128), 8), "the CPU has no cuBLAS"
+    assert not block_scaled_supported(x.dtype, x.device, weight, (64, 64), 8)
 

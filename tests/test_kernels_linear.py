@@ -8,8 +8,8 @@ import pytest
 import torch
 from kernel_checks import assert_matches
 
-from deepinfer_core.platform.kernel_ops import KernelOps
-from deepinfer_core.quantization import quantize_fp4, quantize_fp8_block
+from deepinfer_core.platform.kernel_ops import KernelOps, QuantizedActivations
+from deepinfer_core.quantization import quantize_fp4, quantize_fp8_activations, quantize_fp8_block
 from deepinfer_kernels.linear import FP8_MMA_BLOCK_KS, grouped_linear, linear, linear_supported, split_k
 from deepinfer_nvidia.ops import TritonOps
 
@@ -207,6 +207,34 @@ def test_grouped_linear_with_fp8_activations_matches_reference():
     ops.fp8_activations = reference.fp8_activations = True
     out = ops.grouped_linear(x, weight, scale, block)
     assert_matches(out, reference.grouped_linear(x, weight, scale, block), TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("tokens,batch_invariant", [(7, False), (70, False), (7, True)])
+def test_grouped_linear_takes_x_as_fp8_codes(tokens, batch_invariant):
+    """x's codes and scales (`QuantizedActivations`, as the attention hands wo_a them) give the W8A8 launch's bits
+    for x's values, on the backend's op and the kernel; the reference op multiplies their values, as it does x's."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 3, 128, generator=gen).to(torch.bfloat16)
+    weight, scale = quantize_fp8_block(torch.randn(3 * 64, 128, generator=gen) / 8, (64, 64))
+    ops, reference = TritonOps(), KernelOps()
+    ops.fp8_activations = reference.fp8_activations = True
+    ops.batch_invariant = reference.batch_invariant = batch_invariant
+    assert ops.quantized_input_group(weight, (64, 64)) == 64
+    assert reference.quantized_input_group(weight, (64, 64)) is None
+    codes = QuantizedActivations(*quantize_fp8_activations(x.flatten(1), 64), 64, x.dtype).view(tokens, 3, 128)
+    expected = ops.grouped_linear(x, weight, scale, (64, 64))
+    assert torch.equal(ops.grouped_linear(codes, weight, scale, (64, 64)), expected)
+    assert torch.equal(grouped_linear(codes.codes, weight, scale, (64, 64), batch_invariant, out_dtype=x.dtype,
+                                      x_scales=codes.scales), expected)
+    assert torch.equal(reference.grouped_linear(codes, weight, scale, (64, 64)),
+                       reference.grouped_linear(x, weight, scale, (64, 64)))
+
+
+def test_fp8_codes_of_x_need_a_weight_whose_k_blocks_are_mma_tiles():
+    codes = torch.zeros(2, 1, 64).to(torch.float8_e4m3fn)
+    weight, scale = quantize_fp8_block(torch.randn(32, 64), (32, 32))
+    with pytest.raises(ValueError, match="fp8 codes of x"):
+        grouped_linear(codes, weight, scale, (32, 32), out_dtype=torch.bfloat16, x_scales=torch.ones(2, 1, 2))
 
 
 def test_one_row_meeting_an_fp8_weight_of_whole_block_tiles_takes_cuda_core_tiles():

@@ -10,6 +10,7 @@ from kernel_checks import assert_matches
 
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.kernel_ops import KernelOps
+from deepinfer_core.quantization import fake_quantize_fp8_activations, quantize_fp8_activations
 from deepinfer_kernels.sparse_attention import sparse_attention
 
 # float32: summation order (~1e-7). bfloat16: the probabilities are cast to bf16 before the value sum
@@ -185,3 +186,39 @@ def test_rotary_attention_refuses_an_odd_head_dim():
     with pytest.raises(ValueError, match="even head dim"):
         sparse_attention(q, q[:, 0], torch.zeros(NUM_SLOTS, RING, 7), torch.zeros(2), 1.0, batch,
                          inv_freq=torch.ones(2))
+
+
+@pytest.mark.parametrize("step,num_sms", [("mixed", None), ("decode", 48)])
+def test_rotary_attention_quantized_is_the_output_quantised(step, num_sms):
+    """`quantize_group`: the launches' own bf16 output quantised over each token's row of H * d values (groups
+    straddle heads here: d 48, groups of 32), bit for bit; and the reference op's codes round the reference output."""
+    heads, dim, group = 20, 48, 32
+    gen = torch.Generator().manual_seed(5 + len(step))
+    batch = _batch(*STEPS[step], gen)
+    q = (3 * torch.randn(batch.num_tokens, heads, dim, generator=gen)).to(torch.bfloat16)
+    kv = torch.randn(batch.num_tokens, dim, generator=gen).to(torch.bfloat16)
+    window = torch.randn(NUM_SLOTS, RING, dim, generator=gen).to(torch.bfloat16)
+    sinks = torch.randn(heads, generator=gen)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    kwargs = _layer_kwargs("selected", batch, dim, torch.bfloat16, gen)
+    args = (kv, window, sinks, dim**-0.5, batch)
+    out = sparse_attention(q.clone(), *args, **kwargs, num_sms=num_sms, inv_freq=inv_freq, q_norm_eps=1e-6)
+    codes, scales = sparse_attention(q.clone(), *args, **kwargs, num_sms=num_sms, inv_freq=inv_freq, q_norm_eps=1e-6,
+                                     quantize_group=group)
+    expected_codes, expected_scales = quantize_fp8_activations(out.view(out.shape[0], -1), group)
+    assert codes.shape == out.shape and scales.shape == (out.shape[0], heads * dim // group)
+    assert torch.equal(codes.view(torch.uint8).flatten(1), expected_codes.view(torch.uint8))
+    assert torch.equal(scales, expected_scales)
+    reference = KernelOps().rotary_attention_quantized(q, *args, inv_freq, group, 1e-6, **kwargs)
+    rounded = fake_quantize_fp8_activations(KernelOps().rotary_attention(q, *args, inv_freq, 1e-6, **kwargs)
+                                            .flatten(1), group)
+    assert torch.equal(reference.dequantize(), rounded)
+
+
+def test_rotary_attention_quantized_refuses_a_row_of_partial_groups():
+    gen = torch.Generator().manual_seed(0)
+    batch = _batch([2], [0], gen)
+    q = torch.randn(2, 3, 8, generator=gen).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="splits 16-column groups"):
+        sparse_attention(q, q[:, 0], torch.zeros(NUM_SLOTS, RING, 8, dtype=torch.bfloat16), torch.zeros(3), 1.0, batch,
+                         inv_freq=torch.ones(2), quantize_group=16)

@@ -90,3 +90,33 @@ def test_wgmma_prefill_attention_matches_reference(monkeypatch, make_batch, laye
         expected = KernelOps().sparse_attention(*args, **kwargs)
     assert launched == [1]
     assert_matches(out, expected, TOLERANCE)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (wgmma)")
+@pytest.mark.parametrize("layer", ["sliding", "selected"])
+@pytest.mark.parametrize("group", [128, 64])
+def test_wgmma_output_quantised_in_its_epilogue_is_the_bf16_output_quantised(make_batch, layer, group):
+    """`quantize_group`: the epilogue's fp8 codes and scales (the rotated channels de-rotated in shared memory
+    first) are the bits `quantize_fp8_rows` makes of the same launch's bf16 output; 70 heads (a partial block)."""
+    from deepinfer_kernels.activation_quant import quantize_fp8_rows
+
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(group + len(layer))
+    batch = _batch(make_batch, [600, 300, 37], [0, 517, 90], gen, device)
+    heads, tokens = 70, batch.num_tokens
+    q = (3 * torch.randn(tokens, heads, DIM, generator=gen)).to(torch.bfloat16).to(device)
+    kv = torch.randn(tokens, DIM, generator=gen).to(torch.bfloat16).to(device)
+    window = torch.randn(3, RING, DIM, generator=gen).to(torch.bfloat16).to(device)
+    sinks = torch.randn(heads, generator=gen).to(device)
+    kwargs = {}
+    if layer == "selected":
+        kwargs = {"entries": torch.randn(batch.block_tables.numel(), BLOCK_SIZE // RATIO, DIM, generator=gen)
+                  .to(torch.bfloat16).to(device), "ratio": RATIO, "selected": _selected(batch, 96, gen).to(device)}
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32, device=device) / 64))
+    args = (kv, window, sinks, DIM**-0.5, batch)
+    out = attention_module.sparse_attention(q.clone(), *args, **kwargs, inv_freq=inv_freq, q_norm_eps=1e-6)
+    codes, scales = attention_module.sparse_attention(q.clone(), *args, **kwargs, inv_freq=inv_freq, q_norm_eps=1e-6,
+                                                      quantize_group=group)
+    expected_codes, expected_scales = quantize_fp8_rows(out.view(tokens, -1), group)
+    assert torch.equal(codes.view(torch.uint8).view(tokens, -1), expected_codes.view(torch.uint8))
+    assert torch.equal(scales, expected_scales)

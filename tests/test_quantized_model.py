@@ -49,10 +49,10 @@ def write_dequantised_copy(quantised: Path, output: Path) -> None:
 
 
 def logits(
-    checkpoint: Path, prompt: torch.Tensor, fp8_activations: bool = False
+    checkpoint: Path, prompt: torch.Tensor, fp8_activations: bool = False, ops: KernelOps | None = None
 ) -> tuple[torch.Tensor, DeepseekV4ForCausalLM]:
     config = load_model_config(checkpoint)
-    ops = KernelOps()
+    ops = ops or KernelOps()
     ops.fp8_activations = fp8_activations
     model = DeepseekV4ForCausalLM(config, ops, torch.float32, torch.device("cpu"))
     load_model_weights(model, checkpoint)
@@ -110,6 +110,31 @@ def test_fp8_activations_change_only_a_checkpoint_with_fp8_weights(tiny_checkpoi
     assert ((w8a8 - w8a16).norm(dim=-1) / w8a16.norm(dim=-1)).min() > 1e-3
     dense, _ = logits(tiny_checkpoint, prompt)
     assert torch.equal(logits(tiny_checkpoint, prompt, fp8_activations=True)[0], dense)
+
+
+class CodesTakingOps(KernelOps):
+    """The reference ops with wo_a taking the attention's fp8 codes, as a backend that quantises in its attention's
+    epilogue does (`quantized_input_group`); counts the attention launches that hand codes over."""
+
+    def __init__(self) -> None:
+        self.quantized_attentions = 0
+
+    def quantized_input_group(self, weight: torch.Tensor, block: tuple[int, int] | None) -> int | None:
+        # The tiny model's wo_a rows (64 columns) are shorter than a K block: the product rounds a row as one group.
+        return min(block[1], weight.shape[1]) if self.fp8_activations and weight.dtype == torch.float8_e4m3fn else None
+
+    def rotary_attention_quantized(self, *args, **kwargs):
+        self.quantized_attentions += 1
+        return super().rotary_attention_quantized(*args, **kwargs)
+
+
+def test_attention_handing_wo_a_its_fp8_codes_computes_the_same_bits(fp8_checkpoint):
+    prompt = torch.randint(0, load_model_config(fp8_checkpoint).vocab_size, (40,),
+                           generator=torch.Generator().manual_seed(7))
+    ops = CodesTakingOps()
+    got, model = logits(fp8_checkpoint, prompt, fp8_activations=True, ops=ops)
+    assert ops.quantized_attentions == model.config.num_hidden_layers
+    assert torch.equal(got, logits(fp8_checkpoint, prompt, fp8_activations=True)[0])
 
 
 def test_llm_with_fp8_activations_generates_what_the_model_computes(fp8_checkpoint):

@@ -23,7 +23,7 @@ import torch
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.row_tiles import in_row_tiles, row_tiled
 
-__all__ = ["KernelOps", "MlpWeights", "padded_ngrams", "pool_gated_windows"]
+__all__ = ["KernelOps", "MlpWeights", "QuantizedActivations", "padded_ngrams", "pool_gated_windows"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,31 @@ class MlpWeights:
     w3_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
     block: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedActivations:
+    """Activations as fp8 codes [..., K] and float32 scales [..., K / group]: `quantization.quantize_fp8_activations`
+    of values in `dtype`. What a producer quantising its own output hands a projection that takes the codes as they
+    are (`KernelOps.quantized_input_group`), in place of the values."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    group: int
+    dtype: torch.dtype
+
+    def view(self, *shape: int) -> QuantizedActivations:
+        """Both tensors viewed as `shape` (the scales' last dim a group's share of it): whole groups a row."""
+        codes = self.codes.view(*shape)
+        if codes.shape[-1] % self.group:
+            raise ValueError(f"rows of {codes.shape[-1]} columns split the {self.group}-column groups")
+        return QuantizedActivations(codes, self.scales.view(*codes.shape[:-1], -1), self.group, self.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The values, in `dtype` (exact)."""
+        from deepinfer_core.quantization import dequantize_fp8_activations
+
+        return dequantize_fp8_activations(self.codes, self.scales, self.group, self.dtype)
 
 
 class KernelOps:
@@ -100,19 +125,35 @@ class KernelOps:
         w = self.dequantize_weight(weight, scale, block, x.dtype)
         return torch.nn.functional.linear(self.fake_quantize_activations(x, weight, block), w)
 
-    @row_tiled("x")
     def grouped_linear(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | QuantizedActivations,
         weight: torch.Tensor,
         scale: torch.Tensor | None = None,
         block: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """Block-diagonal projection: group g of x meets rows g*R:(g+1)*R of W.
 
-        x: [T, G, K]; weight [G*R, K] (dense or quantised as in `linear`). Returns [T, G, R] in x.dtype
-        with out[t, g] = W[g*R:(g+1)*R] @ x[t, g]. Tolerance as `linear`.
+        x: [T, G, K], or its fp8 codes (`QuantizedActivations`, when `quantized_input_group` names their group);
+        weight [G*R, K] (dense or quantised as in `linear`). Returns [T, G, R] in x.dtype
+        with out[t, g] = W[g*R:(g+1)*R] @ x[t, g]. Codes give the product of their values, which the rounding
+        of `fake_quantize_activations` leaves as they are. Tolerance as `linear`.
         """
+        return self._grouped_product(x.dequantize() if isinstance(x, QuantizedActivations) else x, weight, scale,
+                                     block)
+
+    def quantized_input_group(self, weight: torch.Tensor, block: tuple[int, int] | None) -> int | None:
+        """The group of x's columns in which `grouped_linear` takes x as fp8 codes for `weight`
+        (`QuantizedActivations`, from a producer that quantises its own output: `rotary_attention_quantized`),
+        or None where it takes x's values. None here: the reference rounds x in the product's own op. A backend
+        whose product reads the codes as they are returns the weight's K block, only under `fp8_activations`
+        with an fp8 weight (the product would round x to those codes itself)."""
+        return None
+
+    @row_tiled("x")
+    def _grouped_product(
+        self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None
+    ) -> torch.Tensor:
         groups = x.shape[1]
         w = self.dequantize_weight(weight, scale, block, x.dtype).view(groups, -1, x.shape[-1])
         x = self.fake_quantize_activations(x, weight, block)
@@ -470,6 +511,35 @@ class KernelOps:
         q = self.rope(q, batch.positions, inv_freq, inplace=True)
         out = self.sparse_attention(q, kv, window, sinks, scale, batch, entries, ratio, selected)
         return self.rope(out, batch.positions, inv_freq, inverse=True, inplace=True)
+
+    def rotary_attention_quantized(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        window: torch.Tensor,
+        sinks: torch.Tensor,
+        scale: float,
+        batch: ForwardBatch,
+        inv_freq: torch.Tensor,
+        group: int,
+        q_norm_eps: float | None = None,
+        entries: torch.Tensor | None = None,
+        ratio: int = 0,
+        selected: torch.Tensor | None = None,
+    ) -> QuantizedActivations:
+        """`rotary_attention`'s output [T, H, d] as fp8 codes of each token's row of H * d values in groups of
+        `group` columns (`quantization.quantize_fp8_activations`: codes [T, H * d], scales [T, H * d / group]), for
+        a projection
+        that takes them (`quantized_input_group`): one op so that a backend can quantise in the attention's
+        epilogue, the output then stored once, in fp8. Composed here. Exact against quantising
+        `rotary_attention`'s output (the codes of a backend's output, whose values are within its tolerance)."""
+        from deepinfer_core.quantization import quantize_fp8_activations
+
+        tokens, heads, dim = q.shape
+        if heads * dim % group:
+            raise ValueError(f"an attention output of {heads} x {dim} columns a token splits {group}-column groups")
+        out = self.rotary_attention(q, kv, window, sinks, scale, batch, inv_freq, q_norm_eps, entries, ratio, selected)
+        return QuantizedActivations(*quantize_fp8_activations(out.view(tokens, heads * dim), group), group, out.dtype)
 
     def store_window(self, kv: torch.Tensor, window: torch.Tensor, batch: ForwardBatch) -> None:
         """Write this step's K=V vectors into the sliding-window ring.

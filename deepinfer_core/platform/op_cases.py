@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from deepinfer_core.models.forward_batch import ForwardBatch
-from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
+from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights, QuantizedActivations
 
 __all__ = ["OpCase", "OP_CASES"]
 
@@ -38,6 +38,7 @@ class OpCase:
     host_args: tuple[int, ...] = ()  # positional args that stay in host memory (e.g. an engram table)
     modes: dict[str, bool] = field(default_factory=dict)  # `KernelOps` flags set on both sides, e.g. fp8_activations
     given_up: tuple[int, ...] = ()  # positional args the op may overwrite (e.g. rope's x with inplace=True)
+    compared_as: Callable[[Any], Any] | None = None  # both results mapped before the comparison (fp8 codes: values)
 
 
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -204,12 +205,13 @@ def _bounded_replay_attention_inputs(gen, dt):
     return (*args[:5], replace(batch, window_starts_cpu=starts)), kwargs
 
 
-def _rotary_attention_inputs(gen, dt, ratio, with_selection, q_norm):
+def _rotary_attention_inputs(gen, dt, ratio, with_selection, q_norm, group=None):
     """`_attention_inputs` with an inv_freq for the last 8 of 32 channels and, for V4's layers, the
-    query heads' norm; q is scaled off unit RMS so that the norm matters."""
+    query heads' norm; q is scaled off unit RMS so that the norm matters. `group`: the output's
+    quantisation group (`rotary_attention_quantized`)."""
     (q, *rest), kwargs = _attention_inputs(gen, dt, ratio, with_selection)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
-    args = (3 * q, *rest, inv_freq)
+    args = (3 * q, *rest, inv_freq, *(() if group is None else (group,)))
     return args, {**kwargs, "q_norm_eps": 1e-6 if q_norm else None}
 
 
@@ -311,6 +313,11 @@ def _activation_fake_quant_inputs(gen, dt):
 # Attention / MoE-sized reductions: bf16 rounding of each product and of the outputs.
 _WIDE_RTOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 _WIDE_ATOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+# fp8 codes compared as their values: the values before quantisation within the attention's tolerance (_WIDE_*),
+# plus one e4m3 step where a code rounds the other way (at most 1/8 of the value; below the normal range 2^-9 of the
+# group's scale, which 5e-4 covers for groups whose largest value is below ~110).
+_CODE_STEP_RTOL = {dtype: rtol + 0.13 for dtype, rtol in _WIDE_RTOL.items()}
+_CODE_STEP_ATOL = {dtype: atol + 5e-4 for dtype, atol in _WIDE_ATOL.items()}
 
 OP_CASES: list[OpCase] = [
     OpCase(
@@ -444,6 +451,11 @@ OP_CASES: list[OpCase] = [
         "rotary_attention", "hca",
         lambda g, dt: _rotary_attention_inputs(g, dt, 8, False, False), rtol=_WIDE_RTOL, atol=_WIDE_ATOL,
         given_up=(0,),
+    ),
+    OpCase(
+        "rotary_attention_quantized", "csa_selected_normed_queries_group_16",
+        lambda g, dt: _rotary_attention_inputs(g, dt, 4, True, True, group=16), rtol=_CODE_STEP_RTOL,
+        atol=_CODE_STEP_ATOL, given_up=(0,), compared_as=QuantizedActivations.dequantize,
     ),
     OpCase("store_window", "mixed_step", _store_window_inputs),
     OpCase(

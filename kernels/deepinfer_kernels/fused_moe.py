@@ -409,7 +409,9 @@ def _down_rows(
 _SUM_COLUMNS = 1024
 # Arrival counters of the slot sums in the down launch, one per (token, column tile), 128 KiB a device: 256 tokens of
 # V4-Flash's hidden 4,096 in the fp4 decode tiles' 32 columns (204 of V4.1's 5,120), twice as many in 64-column
-# tiles; never the prefill tiles at those sizes (8,192 pairs: 1,171 tokens at top-6 with the shared expert).
+# tiles; never the prefill tiles at those sizes (8,192 pairs: 1,171 tokens at top-6 with the shared expert). Summed
+# in the down launch, prefill steps were slower (H100, V4 widths, a million counters, same bits): 8,192 tokens bf16
+# 7.0-7.7 -> 7.8-7.9 ms, W8A8 5.42 -> 5.78; the 4-layer step 51.1 -> 54.0 ms (BENCHMARKS.md).
 _SLOT_SUM_COUNTERS = 32768
 
 

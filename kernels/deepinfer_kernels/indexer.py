@@ -16,7 +16,8 @@ stable sort). Steps of few rows and entries (decode) rank instead of sorting: an
 number of entries ahead of it, counted against the whole row, and entries placed inside the top-k
 write themselves there. One launch of many programs, where torch's sort and its selects took 12 and
 one program a row. A bitonic top-k in Triton (`tl.topk` on 64-bit keys) took 20-45 us a row.
-Larger steps take torch's sort.
+Larger steps take torch's sort: unique 64-bit keys (score bits, then the entry) through torch's top-k or its
+unstable sort took 3.0x / 2.6x its time (H100, 8,192 x 2,048 scores: 1,741 / 1,493 against 573 us).
 """
 
 from __future__ import annotations

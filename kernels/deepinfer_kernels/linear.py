@@ -268,20 +268,27 @@ def linear(
 def grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
     batch_invariant: bool = False, num_sms: int | None = None, fp8_activations: bool = False,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, x_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, G, K], weight [G*N, K] -> y [T, G, N], y[:, g] = x[:, g] @ W[g*N:(g+1)*N].T, in one launch
-    (arguments as in `linear`). fp8 groups hold whole scale blocks (N a multiple of block[0])."""
+    (arguments as in `linear`). fp8 groups hold whole scale blocks (N a multiple of block[0]). With `x_scales`
+    [T, G, K / block[1]], x is already fp8 codes in the weight's K blocks (`quantize_fp8_rows` of values in
+    out_dtype): the W8A8 launch without its quantisation, the same bits."""
     tokens, groups, k = x.shape
     n, fmt = weight.shape[0] // groups, weight_format(weight)
+    codes_given = x_scales is not None
+    if codes_given and not (fmt == 1 and block[1] in FP8_MMA_BLOCK_KS and x.dtype == torch.float8_e4m3fn
+                            and out_dtype is not None):
+        raise ValueError(f"fp8 codes of x meet an fp8 weight of K blocks in {FP8_MMA_BLOCK_KS}, y in a given dtype")
     if fp8_activations and fmt == 1 and not activation_group_supported(block):
         raise ValueError(f"fp8 activations need an fp8 weight block of 16 to 256 columns (a power of two), not {block}")
     if fmt == 1 and groups > 1 and n % block[0]:
         raise ValueError(f"fp8 groups of {n} rows would split the weight's {block[0]}-row scale blocks")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    a8 = fp8_activations and fmt == 1
+    a8 = (fp8_activations or codes_given) and fmt == 1
     if a8 and block[1] not in FP8_MMA_BLOCK_KS:
         x, a8 = fake_quantize_fp8_rows(x.reshape(tokens * groups, k), block[1]).view(tokens, groups, k), False
+    values = out_dtype if codes_given else x.dtype  # what x holds (or encodes)
     w, s = as_kernel_weight(weight.contiguous() if weight.stride(-1) != 1 else weight, scale)
     out = torch.empty((tokens, groups, n), dtype=out_dtype or x.dtype, device=x.device)
     tiled_rows = BATCH_INVARIANT_ROWS if batch_invariant else tokens
@@ -292,13 +299,18 @@ def grouped_linear(
     kernel_format = fmt
     if fmt == 1 and not a8:
         kernel_format, block_n, block_k = fp8_tiles(block, block_n, block_k)
-    if a8 and out.dtype != x.dtype:
-        raise ValueError(f"fp8 activations give y in x's dtype ({x.dtype}), not {out.dtype}")
-    x_in, x_scales = x, w
+    if a8 and out.dtype != values:
+        raise ValueError(f"fp8 activations give y in x's dtype ({values}), not {out.dtype}")
+    x_in = x
     if a8:
         block_n, block_k = min(block_n, block[0]), block[1]  # one K tile = one activation group
-        codes, x_scales = quantize_fp8_rows(x.reshape(tokens * groups, k), block_k)
-        x_in, x_scales = codes.view(tokens, groups, k), x_scales.view(tokens, groups, -1)
+        if codes_given:
+            x_scales = x_scales.contiguous()
+        else:
+            codes, x_scales = quantize_fp8_rows(x.reshape(tokens * groups, k), block_k)
+            x_in, x_scales = codes.view(tokens, groups, k), x_scales.view(tokens, groups, -1)
+    else:
+        x_scales = w  # never read
     scale_bn, scale_bk = block if fmt == 1 else (1, 1)
     scale_rows_per_group = n // scale_bn
     tiles = (triton.cdiv(tokens, block_m), triton.cdiv(n, block_n))
@@ -320,7 +332,7 @@ def grouped_linear(
         out.stride(1),
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-        A8=a8, ROUND_TO_X=out.dtype != x.dtype, num_warps=warps, num_stages=stages,
+        A8=a8, ROUND_TO_X=out.dtype != values, num_warps=warps, num_stages=stages,
         **launch_options(x.device),
     )
     return out

@@ -15,7 +15,9 @@ normalises (Q_NORM) and rotates each query head as it loads it, and de-rotates t
 so q and the output each take no pass of their own.
 
 On Hopper a prefill step (64 heads a program, bf16, head dim 512) runs `sparse_attention_wgmma`'s Gluon
-kernel instead, which splits the products between the warp groups and overlaps them with the softmax.
+kernel instead, which splits the products between the warp groups and overlaps them with the softmax. Asked for
+fp8 codes (`quantize_group`: W8A8's wo_a input), that kernel quantises in its epilogue; the others' output is
+quantised by a launch after them.
 
 A decode step has too few (token, head block) programs to fill the GPU, so its keys are split
 (flash-decoding): split s takes key blocks s, s + SPLITS, ... of every run and writes its running
@@ -29,9 +31,12 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_kernels.activation_quant import quantize_fp8_rows
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 from deepinfer_kernels.rope import rotate_tile
-from deepinfer_kernels.sparse_attention_wgmma import HEADS, wgmma_attention, wgmma_attention_supported
+from deepinfer_kernels.sparse_attention_wgmma import (
+    HEADS, quantizes_output, wgmma_attention, wgmma_attention_supported,
+)
 
 __all__ = ["key_splits", "sparse_attention", "tile_config"]
 
@@ -231,18 +236,25 @@ def sparse_attention(
     num_sms: int | None = None,
     inv_freq: torch.Tensor | None = None,
     q_norm_eps: float | None = None,
-) -> torch.Tensor:
+    quantize_group: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`KernelOps.sparse_attention` (same contract); `selected` rows must not repeat an entry.
     batch_invariant: window key blocks aligned to each query's position (FIXED_KEY_BLOCKS).
     num_sms: the device's multiprocessors; given, a step with fewer programs splits its keys.
     inv_freq, q_norm_eps: `KernelOps.rotary_attention` instead (q normalised when q_norm_eps is given,
-    rotated with inv_freq at batch.positions, the output de-rotated); the head dim must be even."""
+    rotated with inv_freq at batch.positions, the output de-rotated); the head dim must be even.
+    quantize_group: the output as fp8 codes [T, H, d] and float32 scales [T, H * d / group] instead, each token's
+    row quantised in groups of that many columns (`KernelOps.rotary_attention_quantized`): by the Hopper prefill
+    kernel's epilogue where a head holds whole groups, after the other launches (`quantize_fp8_rows`)."""
     tokens, heads, dim = q.shape
     if inv_freq is not None and (dim % 2 or 2 * inv_freq.shape[0] > dim):
         raise ValueError(f"rotary attention needs an even head dim of at least {2 * inv_freq.shape[0]}, not {dim}")
+    if quantize_group is not None and heads * dim % quantize_group:
+        raise ValueError(f"an attention output of {heads} x {dim} columns a token splits {quantize_group}-column "
+                         "groups")
     out = torch.empty_like(q)
     if tokens == 0:
-        return out
+        return out if quantize_group is None else _quantized(out, quantize_group)
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
     token_seq = batch.row_sequences()
     has_entries = entries is not None
@@ -263,9 +275,15 @@ def sparse_attention(
     rope_half = inv_freq.shape[0] if rotary else 0
     if (block_h == HEADS.value and splits == 1 and not batch_invariant
             and wgmma_attention_supported(q, kv, window, entries, rope_half)):
+        if quantizes_output(quantize_group):
+            codes = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
+            scales = torch.empty((tokens, heads * dim // quantize_group), dtype=torch.float32, device=q.device)
+            wgmma_attention(q, kv, window, sinks, scale, batch, codes, token_seq, window_starts, entries, ratio,
+                            selected, freq, rope_half, q_norm_eps, scales, quantize_group)
+            return codes, scales
         wgmma_attention(q, kv, window, sinks, scale, batch, out, token_seq, window_starts, entries, ratio, selected,
                         freq, rope_half, q_norm_eps)
-        return out
+        return out if quantize_group is None else _quantized(out, quantize_group)
     _sparse_attention_kernel[(tokens, head_blocks, splits)](
         q, kv, window, sinks, entries_arg, selected_arg, out, part, stats,
         token_seq, batch.query_start_loc, batch.context_lens, batch.slot_ids, batch.block_tables, batch.positions,
@@ -285,4 +303,10 @@ def sparse_attention(
             part, stats, out, batch.positions, freq, heads, dim, rope_half, out.stride(0), out.stride(1),
             SPLITS=splits, BLOCK_D=block_d, ROTARY=rotary, num_warps=4, **launch_options(q.device),
         )
-    return out
+    return out if quantize_group is None else _quantized(out, quantize_group)
+
+
+def _quantized(out: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output [T, H, d] as fp8 codes and scales [T, H * d / group] (`quantize_fp8_rows` of its token rows)."""
+    codes, scales = quantize_fp8_rows(out.view(out.shape[0], -1), group)
+    return codes.view(out.shape), scales

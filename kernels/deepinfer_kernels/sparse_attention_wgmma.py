@@ -14,7 +14,9 @@ forming the same scores; it reached ~100 TFLOP/s (BENCHMARKS.md, thirteenth sess
   row addresses are asked for at the top of the iteration that copies it and the indexer's picks an iteration
   before that (the block table's load depends on them: waiting for the two loads in a row was the loop's
   largest stall), and the copy leaves each key's visibility in shared memory for the softmax;
-- a row's maximum is each warp group's half within its warps, then one exchange through shared memory.
+- a row's maximum is each warp group's half within its warps, then one exchange through shared memory;
+- under W8A8 (QUANT_GROUP) the epilogue de-rotates the output in shared memory and stores its fp8 codes and
+  scales, the bits `quantize_fp8_rows` makes of the bf16 output: wo_a's input goes to memory once, in fp8.
 
 Measured on an H100 (BENCHMARKS.md, thirty-sixth and thirty-seventh sessions): 1.2-2.0x the Triton kernel at
 8,192 tokens (CSA 118 -> 237 TFLOP/s), V4's prefill step ~10% faster.
@@ -42,9 +44,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from deepinfer_kernels.activation_quant import activation_group_supported, quantize_groups
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 
-__all__ = ["HEADS", "HEAD_DIM", "wgmma_attention", "wgmma_attention_supported"]
+__all__ = ["HEADS", "HEAD_DIM", "quantizes_output", "wgmma_attention", "wgmma_attention_supported"]
 
 HEADS = gl.constexpr(64)  # query heads a program (one warp group's MMA rows)
 HEAD_DIM = gl.constexpr(512)  # DeepSeek-V4's shared KV head
@@ -216,10 +219,10 @@ def _wgmma_attention_kernel(
     token_seq_ptr, query_start_ptr, context_lens_ptr, slot_ids_ptr, block_tables_ptr, positions_ptr, window_starts_ptr,
     freq_ptr, H, ratio, top_k, scale, rope_half, q_eps,
     stride_qt, stride_qh, stride_kv, stride_ws, stride_wp, stride_eb, stride_eo, stride_sel, stride_bt,
-    stride_ot, stride_oh,
+    stride_ot, stride_oh, scales_ptr, stride_st,
     HAS_ENTRIES: gl.constexpr, HAS_SELECTED: gl.constexpr, HAS_WINDOW_STARTS: gl.constexpr, RING: gl.constexpr,
-    PER_BLOCK: gl.constexpr, ROTARY: gl.constexpr, Q_NORM: gl.constexpr, ROPE_BLOCK: gl.constexpr, PDL: gl.constexpr,
-    num_warps: gl.constexpr,
+    PER_BLOCK: gl.constexpr, ROTARY: gl.constexpr, Q_NORM: gl.constexpr, ROPE_BLOCK: gl.constexpr,
+    QUANT_GROUP: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
 ):
     wait_for_previous_grid(PDL)
     D: gl.constexpr = HEAD_DIM
@@ -310,28 +313,68 @@ def _wgmma_attention_kernel(
     acc = warpgroup_mma_wait(0, deps=(acc,))
 
     total_p = gl.sum(l_part, axis=1) + gl.exp(sink - m_i)
-    out = (acc / gl.convert_layout(total_p, gl.SliceLayout(1, o_layout))[:, None]).to(out_ptr.dtype.element_ty)
+    out = (acc / gl.convert_layout(total_p, gl.SliceLayout(1, o_layout))[:, None]).to(gl.bfloat16)
     # through shared memory (the query's, free now), for 16-byte stores of whole rows
     q_smem.store(out)
     gl.thread_barrier()
-    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    out = q_smem.load(store_layout)
-    rows = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, store_layout))
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, store_layout))
-    out_rows = out_ptr + t.to(gl.int64) * stride_ot + rows[:, None] * stride_oh
-    gl.store(out_rows + cols[None, :], out, mask=(rows < H)[:, None])
-    if ROTARY:
-        # De-rotate the rotated channels in place: each thread reads both channels of its pairs, then writes
-        # them, so no thread overwrites what another has still to read.
-        gl.thread_barrier()
-        rope_layout: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [num_warps, 1], [1, 0])
-        rope_cols, rotated, cos, sin = _rotation(pos, freq_ptr, D, rope_half, -1.0, ROPE_BLOCK, rope_layout)
-        rows = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, rope_layout))
+    if QUANT_GROUP:
+        if ROTARY:
+            _derotate_in_shared(q_smem, pos, freq_ptr, rope_half, D, ROPE_BLOCK, num_warps)
+        _store_quantized(q_smem, out_ptr, scales_ptr, t, h0, H, stride_ot, stride_oh, stride_st, D, QUANT_GROUP,
+                         num_warps)
+    else:
+        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+        out = q_smem.load(store_layout)
+        rows = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, store_layout))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, store_layout))
         out_rows = out_ptr + t.to(gl.int64) * stride_ot + rows[:, None] * stride_oh
-        live = (rows < H)[:, None]
-        x = gl.load(out_rows + rope_cols[None, :], mask=live, other=0.0)
-        partner = gl.load(out_rows + (rope_cols ^ 1)[None, :], mask=live, other=0.0)
-        gl.store(out_rows + rope_cols[None, :], _rotate(x, partner, rotated, cos, sin), mask=live)
+        gl.store(out_rows + cols[None, :], out, mask=(rows < H)[:, None])
+        if ROTARY:
+            # De-rotate the rotated channels in place: each thread reads both channels of its pairs, then writes
+            # them, so no thread overwrites what another has still to read.
+            gl.thread_barrier()
+            rope_layout: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [num_warps, 1], [1, 0])
+            rope_cols, rotated, cos, sin = _rotation(pos, freq_ptr, D, rope_half, -1.0, ROPE_BLOCK, rope_layout)
+            rows = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, rope_layout))
+            out_rows = out_ptr + t.to(gl.int64) * stride_ot + rows[:, None] * stride_oh
+            live = (rows < H)[:, None]
+            x = gl.load(out_rows + rope_cols[None, :], mask=live, other=0.0)
+            partner = gl.load(out_rows + (rope_cols ^ 1)[None, :], mask=live, other=0.0)
+            gl.store(out_rows + rope_cols[None, :], _rotate(x, partner, rotated, cos, sin), mask=live)
+
+
+@gluon.jit
+def _derotate_in_shared(o_smem, pos, freq_ptr, rope_half, D: gl.constexpr, ROPE_BLOCK: gl.constexpr,
+                        num_warps: gl.constexpr):
+    """The output's rotated channels de-rotated where they lie in shared memory: a thread holds both channels
+    of its pairs (two adjacent columns), so it writes back only what it read."""
+    rope_layout: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [num_warps, 1], [1, 0])
+    _, rotated, cos, sin = _rotation(pos, freq_ptr, D, rope_half, -1.0, ROPE_BLOCK, rope_layout)
+    channels = o_smem.slice(D - ROPE_BLOCK, ROPE_BLOCK, dim=1)
+    x = channels.load(rope_layout)
+    even, odd = gl.split(gl.reshape(x, [HEADS, ROPE_BLOCK // 2, 2]))
+    partner = gl.convert_layout(gl.reshape(gl.join(odd, even), [HEADS, ROPE_BLOCK]), rope_layout)
+    channels.store(_rotate(x, partner, rotated, cos, sin))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _store_quantized(o_smem, codes_ptr, scales_ptr, t, h0, H, stride_ct, stride_ch, stride_st, D: gl.constexpr,
+                     GROUP: gl.constexpr, num_warps: gl.constexpr):
+    """The bf16 output in shared memory stored as fp8 codes and float32 scales, each head row's GROUP columns
+    sharing a scale: `activation_quant.quantize_groups`, the same bits as `quantize_fp8_rows` of the bf16
+    output's token rows. Scales of token t, head h, group g at scales_ptr + t * stride_st + h * (D // GROUP) + g."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // GROUP, GROUP // 8], [num_warps, 1], [1, 0])
+    rows = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, GROUP, layout=gl.SliceLayout(0, layout))
+    live = rows < H
+    code_rows = codes_ptr + t.to(gl.int64) * stride_ct + rows[:, None] * stride_ch
+    scale_rows = scales_ptr + t.to(gl.int64) * stride_st + rows * (D // GROUP)
+    for g in gl.static_range(D // GROUP):
+        values = o_smem.slice(g * GROUP, GROUP, dim=1).load(layout).to(gl.float32)
+        codes, scales = quantize_groups(values, 1)
+        gl.store(code_rows + g * GROUP + cols[None, :], codes.to(codes_ptr.dtype.element_ty), mask=live[:, None])
+        gl.store(scale_rows + g, scales, mask=live)
 
 
 def wgmma_attention_supported(q: torch.Tensor, kv: torch.Tensor, window: torch.Tensor, entries: torch.Tensor | None,
@@ -345,14 +388,21 @@ def wgmma_attention_supported(q: torch.Tensor, kv: torch.Tensor, window: torch.T
             and all(x.dtype == torch.bfloat16 and _rows_aligned(x) for x in sources))
 
 
+def quantizes_output(group: int | None) -> bool:
+    """Whether the launch stores its output as fp8 codes in groups of `group` columns: a power of two from 16 to 256,
+    so whole groups a head (HEAD_DIM 512), each a [64, group] tile of the epilogue."""
+    return group is not None and activation_group_supported((group, group))
+
+
 def _rows_aligned(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(stride % 8 == 0 for stride in x.stride()[:-1])
 
 
 def wgmma_attention(q, kv, window, sinks, scale, batch, out, token_seq, window_starts, entries, ratio, selected,
-                    freq, rope_half, q_norm_eps) -> None:
+                    freq, rope_half, q_norm_eps, scales=None, group=0) -> None:
     """`sparse_attention`'s prefill launch into `out` (arguments as there: entries / selected may be None;
-    freq / rope_half: the rotation, rope_half = 0 for none)."""
+    freq / rope_half: the rotation, rope_half = 0 for none). With a `group` (`quantizes_output`), out takes the
+    output's fp8 codes and scales [T, H * HEAD_DIM / group] their scales."""
     tokens, heads, _ = q.shape
     has_entries = entries is not None
     entries_arg = entries if has_entries else kv
@@ -366,8 +416,10 @@ def wgmma_attention(q, kv, window, sinks, scale, batch, out, token_seq, window_s
         q.stride(0), q.stride(1), kv.stride(0), window.stride(0), window.stride(1),
         entries_arg.stride(0), entries_arg.stride(1) if has_entries else 0,
         selected_arg.stride(0), batch.block_tables.stride(0), out.stride(0), out.stride(1),
+        out if scales is None else scales, 0 if scales is None else scales.stride(0),
         HAS_ENTRIES=has_entries, HAS_SELECTED=selected is not None,
         HAS_WINDOW_STARTS=batch.window_starts_cpu is not None, RING=window.shape[1],
         PER_BLOCK=entries.shape[1] if has_entries else 1, ROTARY=rope_half > 0,
-        Q_NORM=q_norm_eps is not None, ROPE_BLOCK=rope_block, num_warps=WARPS, **launch_options(q.device),
+        Q_NORM=q_norm_eps is not None, ROPE_BLOCK=rope_block, QUANT_GROUP=group, num_warps=WARPS,
+        **launch_options(q.device),
     )

@@ -31,14 +31,15 @@ def _device_has_it(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0) and (major, minor) >= (12, 9)
 
 
-def block_scaled_supported(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None, rows: int) -> bool:
-    """Whether `block_scaled_mm` takes x [rows, K] and an fp8 weight [N, K]: 128 x 128 blocks that tile W whole,
-    K in whole groups of four blocks (cuBLAS's scale layout pads K's blocks to a multiple of four), rows a
-    multiple of 4 (cuBLASLt's), on a device that has it."""
+def block_scaled_supported(dtype: torch.dtype, device: torch.device, weight: torch.Tensor,
+                           block: tuple[int, int] | None, rows: int) -> bool:
+    """Whether `block_scaled_mm` takes x [rows, K] of `dtype` on `device` and an fp8 weight [N, K]: 128 x 128 blocks
+    that tile W whole, K in whole groups of four blocks (cuBLAS's scale layout pads K's blocks to a multiple of
+    four), rows a multiple of 4 (cuBLASLt's), on a device that has it."""
     n, k = weight.shape
     return (weight.dtype == torch.float8_e4m3fn and weight.is_contiguous() and tuple(block or ()) == BLOCK
-            and x.dtype == torch.bfloat16 and n % BLOCK[0] == 0 and k % (4 * BLOCK[1]) == 0 and rows % 4 == 0
-            and _device_has_it(x.device))
+            and dtype == torch.bfloat16 and n % BLOCK[0] == 0 and k % (4 * BLOCK[1]) == 0 and rows % 4 == 0
+            and _device_has_it(device))
 
 
 def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.expert_stacks import ExpertStacks
-from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
+from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights, QuantizedActivations
 from deepinfer_core.platform.row_tiles import row_tiled
 from deepinfer_nvidia.host_tables import device_readable
 
@@ -79,6 +79,7 @@ class TritonOps(KernelOps):
         self._linear = linear.linear
         self._linear_supported = linear.linear_supported
         self._grouped_linear = linear.grouped_linear
+        self._fp8_mma_block_ks = linear.FP8_MMA_BLOCK_KS
         self._dequantize_fp8_weight = weight_dequant.dequantize_fp8_weight
         self._fp8_weight_supported = weight_dequant.fp8_weight_supported
         self._fake_quantize_rows = activation_quant.fake_quantize_fp8_rows
@@ -138,7 +139,7 @@ class TritonOps(KernelOps):
         if not self._linear_supported(weight, block, self.fp8_activations):
             return super().linear(x, weight, scale, block)
         rows = x.numel() // x.shape[-1]
-        if self._dense_on_cublas(x, weight, block, rows):
+        if self._dense_on_cublas(x.dtype, x.device, weight, block, rows):
             return super().linear(x, weight, scale, block)
         if self._block_scaled_on_cublas(x, weight, block, rows):
             return self._block_scaled_mm(x.reshape(rows, -1), weight, scale).view(*x.shape[:-1], weight.shape[0])
@@ -148,20 +149,67 @@ class TritonOps(KernelOps):
 
     def grouped_linear(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | QuantizedActivations,
         weight: torch.Tensor,
         scale: torch.Tensor | None = None,
         block: tuple[int, int] | None = None,
     ) -> torch.Tensor:
+        if isinstance(x, QuantizedActivations):
+            if self._takes_codes(x, weight, block):
+                return self._grouped_linear(x.codes, weight, scale, block, self.batch_invariant,
+                                            self._num_sms(x.codes.device), out_dtype=x.dtype, x_scales=x.scales)
+            x = x.dequantize()  # (the paths below round the values to themselves)
         rows = weight.shape[0] // x.shape[1]
         # Fallback: what `linear` refuses, and fp8 groups that would split a scale block.
         if not self._linear_supported(weight, block, self.fp8_activations) or (block is not None and rows % block[0]):
             return super().grouped_linear(x, weight, scale, block)
-        if self._dense_on_cublas(x, weight, block, x.shape[0]):
+        if self._dense_on_cublas(x.dtype, x.device, weight, block, x.shape[0]):
             return super().grouped_linear(x, weight, scale, block)
         return self._grouped_linear(
             x, weight, scale, block, self.batch_invariant, self._num_sms(x.device), self.fp8_activations
         )
+
+    def quantized_input_group(self, weight: torch.Tensor, block: tuple[int, int] | None) -> int | None:
+        # The Triton W8A8 launch reads codes in K tiles of one group (rows of whole groups), stored by the attention's
+        # epilogue in place of its bf16 output: H100, V4's W8A8 8,192-token step 43.56 / 43.59 -> 42.64 / 42.55 ms,
+        # the same bits. Its other routes take the values (dequantised: a pass more where they are taken).
+        if (self.fp8_activations and weight.dtype == torch.float8_e4m3fn and block is not None
+                and block[1] in self._fp8_mma_block_ks and weight.shape[1] % block[1] == 0
+                and self._linear_supported(weight, block, True)):
+            return block[1]
+        return None
+
+    def _takes_codes(self, x: QuantizedActivations, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
+        """Whether `grouped_linear` hands x's codes to the Triton W8A8 launch: the route x's values would take."""
+        tokens, groups, _ = x.codes.shape
+        rows = weight.shape[0] // groups
+        return (self.quantized_input_group(weight, block) == x.group and rows % block[0] == 0
+                and not self._dense_on_cublas(x.dtype, x.codes.device, weight, block, tokens))
+
+    def rotary_attention_quantized(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        window: torch.Tensor,
+        sinks: torch.Tensor,
+        scale: float,
+        batch: ForwardBatch,
+        inv_freq: torch.Tensor,
+        group: int,
+        q_norm_eps: float | None = None,
+        entries: torch.Tensor | None = None,
+        ratio: int = 0,
+        selected: torch.Tensor | None = None,
+    ) -> QuantizedActivations:
+        # Fallback: an odd head dim, as `rotary_attention`.
+        if q.shape[-1] % 2:
+            return super().rotary_attention_quantized(q, kv, window, sinks, scale, batch, inv_freq, group, q_norm_eps,
+                                                      entries, ratio, selected)
+        codes, scales = self._attention(
+            q, kv, window, sinks, scale, batch, entries, ratio, selected, self.batch_invariant,
+            self._num_sms(q.device), inv_freq, q_norm_eps, group,
+        )
+        return QuantizedActivations(codes.flatten(1), scales, group, q.dtype)
 
     def dequantize_weight(
         self, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None, dtype: torch.dtype
@@ -180,8 +228,8 @@ class TritonOps(KernelOps):
             return super().fake_quantize_activations(x, weight, block)
         return self._fake_quantize_rows(x.reshape(-1, x.shape[-1]), block[1]).view(x.shape)
 
-    def _dense_on_cublas(self, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None,
-                         rows: int) -> bool:
+    def _dense_on_cublas(self, dtype: torch.dtype, device: torch.device, weight: torch.Tensor,
+                         block: tuple[int, int] | None, rows: int) -> bool:
         """Whether a projection of `rows` rows runs as the reference op does, on cuBLAS: a half-precision x
         meeting a dense weight in its dtype from `CUBLAS_ROWS` (H100, 8,192 rows: wq_b 0.83 against 1.11 ms,
         wo_b 0.77 against 1.03, the grouped wo_a 0.84 against 1.09); an fp8 weight meeting x unquantised from
@@ -191,22 +239,23 @@ class TritonOps(KernelOps):
         batch-invariant mode, where cuBLAS would pick its kernel by the row count."""
         if self.batch_invariant:
             return False
-        if x.dtype == torch.float32:
+        if dtype == torch.float32:
             return weight.dtype in (torch.bfloat16, torch.float16, torch.float32) and rows >= CUBLAS_FLOAT32_ROWS
-        if x.dtype not in (torch.bfloat16, torch.float16):
+        if dtype not in (torch.bfloat16, torch.float16):
             return False
         if weight.dtype == torch.float8_e4m3fn and not self.fp8_activations:
             return rows >= CUBLAS_W8A16_ROWS
         if weight.dtype == torch.float8_e4m3fn:
-            return rows >= CUBLAS_W8A8_WIDENED_ROWS and not self._block_scaled_supported(x, weight, block, rows)
-        return weight.dtype == x.dtype and rows >= CUBLAS_ROWS
+            return rows >= CUBLAS_W8A8_WIDENED_ROWS and not self._block_scaled_supported(dtype, device, weight, block,
+                                                                                         rows)
+        return weight.dtype == dtype and rows >= CUBLAS_ROWS
 
     def _block_scaled_on_cublas(self, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None,
                                 rows: int) -> bool:
         """Whether a W8A8 `linear` runs on cuBLAS's block-scaled GEMM (`block_scaled_mm`; H100, 8,192 rows:
         wq_b 0.58 against 0.87 ms, wo_b 0.58 against 0.87), under the same conditions as `_dense_on_cublas`."""
         return (not self.batch_invariant and self.fp8_activations and rows >= CUBLAS_ROWS
-                and self._block_scaled_supported(x, weight, block, rows))
+                and self._block_scaled_supported(x.dtype, x.device, weight, block, rows))
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # float32 straight from the product: no widening pass, which in a decode graph is a torch kernel

@@ -7,6 +7,7 @@ from torch import nn
 
 from deepinfer_core.model_config import CSA, LayerSpec
 from deepinfer_core.models.forward_batch import ForwardBatch
+from deepinfer_core.platform.kernel_ops import KernelOps, QuantizedActivations
 
 from .cache import LayerCache
 from .compressor import Compressor
@@ -16,7 +17,7 @@ from .linear import LinearGroup
 from .rope import rope_inv_freq
 from .step_rows import StepRows
 
-__all__ = ["Attention"]
+__all__ = ["Attention", "output_for"]
 
 
 class Attention(nn.Module):
@@ -68,11 +69,21 @@ class Attention(nn.Module):
         selected = None
         if self.indexer is not None:
             selected = self.indexer(head_weights, q_latent, self.inv_freq, batch, cache.indexer)
-        out = ops.rotary_attention(
-            q, kv, cache.window, self.attn_sink, self.head_dim**-0.5, batch, self.inv_freq, q_norm_eps=self.eps,
-            entries=entries, ratio=self.ratio, selected=selected,
-        )
+        out = output_for(self.wo_a, ops, q, kv, cache.window, self.attn_sink, self.head_dim**-0.5, batch,
+                         self.inv_freq, q_norm_eps=self.eps, entries=entries, ratio=self.ratio, selected=selected)
         ops.store_window(step_kv, cache.window, step)
-        groups = out.view(out.shape[0], self.o_groups, -1)
-        grouped = ops.grouped_linear(groups, self.wo_a.weight, self.wo_a.scale, self.wo_a.block)
+        grouped = ops.grouped_linear(out.view(q.shape[0], self.o_groups, -1), self.wo_a.weight, self.wo_a.scale,
+                                     self.wo_a.block)
         return self.wo_b(grouped.flatten(1))
+
+
+def output_for(
+    wo_a: nn.Module, ops: KernelOps, *args: object, **kwargs: object
+) -> torch.Tensor | QuantizedActivations:
+    """`ops.rotary_attention(*args, **kwargs)` (its seven leading arguments positional), or its fp8 codes from the
+    attention itself where the output projection wo_a takes them (`KernelOps.quantized_input_group`: W8A8 on a
+    backend that quantises in the attention's epilogue; the output then goes to memory once, in fp8)."""
+    group = ops.quantized_input_group(wo_a.weight, wo_a.block)
+    if group is None:
+        return ops.rotary_attention(*args, **kwargs)
+    return ops.rotary_attention_quantized(*args, group=group, **kwargs)

@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from deepinfer_core.models.deepseek_v4.attention import output_for
 from deepinfer_core.models.deepseek_v4.linear import LinearGroup
 from deepinfer_core.models.deepseek_v4.rope import rope_inv_freq
 from deepinfer_core.models.forward_batch import ForwardBatch, NotOnHost
@@ -108,12 +109,12 @@ class Attention(nn.Module):
             local = replace(local, block_tables=tables)
         elif attend:
             entries = band.cache.entries.read(ops, (batch.block_tables.clamp(min=0).to(torch.long),)).flatten(0, 1)
-        out = ops.rotary_attention(
-            q, kv, ring, self.attn_sink, self.head_dim**-0.5, local, self.inv_freq,
+        out = output_for(
+            self.wo_a, ops, q, kv, ring, self.attn_sink, self.head_dim**-0.5, local, self.inv_freq,
             entries=entries, ratio=self.ratio, selected=band.selected if attend else None,
         )
         store_in_ring(self.ops, kv, batch, window, state.ring_writes)
-        grouped = ops.grouped_linear(out.view(out.shape[0], self.o_groups, -1), self.wo_a.weight, self.wo_a.scale,
+        grouped = ops.grouped_linear(out.view(q.shape[0], self.o_groups, -1), self.wo_a.weight, self.wo_a.scale,
                                      self.wo_a.block)
         return self.wo_b(grouped.flatten(1))
 
