@@ -529,9 +529,8 @@ class KernelOps:
     ) -> QuantizedActivations:
         """`rotary_attention`'s output [T, H, d] as fp8 codes of each token's row of H * d values in groups of
         `group` columns (`quantization.quantize_fp8_activations`: codes [T, H * d], scales [T, H * d / group]), for
-        a projection
-        that takes them (`quantized_input_group`): one op so that a backend can quantise in the attention's
-        epilogue, the output then stored once, in fp8. Composed here. Exact against quantising
+        a projection that takes them (`quantized_input_group`): one op so that a backend can quantise in the
+        attention's epilogue, the output then stored once, in fp8. Composed here. Exact against quantising
         `rotary_attention`'s output (the codes of a backend's output, whose values are within its tolerance)."""
         from deepinfer_core.quantization import quantize_fp8_activations
 
