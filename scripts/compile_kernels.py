@@ -76,10 +76,15 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
         block_m, block_n, block_k, warps, stages = fused_moe.tile_config(8192, fmt, False)
         byte_scales = {n: "*u8" for n in ("s_ptr", "s1_ptr", "s3_ptr", "ss1_ptr", "ss3_ptr", "s2_ptr", "ss2_ptr")}
         activations = "*fp8e4nv" if a8 else "*bf16"
-        yield f"linear[{weight[1:]}{'-a8' if a8 else ''}]", linear._linear_kernel, _types(linear._linear_kernel, {
-            "x_ptr": activations, "xs_ptr": "*fp32", "w_ptr": weight, "part_ptr": "*fp32", "counter_ptr": "*i32",
-            **byte_scales}), dict(scale, A8=a8, ROUND_TO_X=False, BLOCK_M=128, BLOCK_N=128,
-                                  BLOCK_K=128 if fmt == 1 else 64), 8, 3
+        linear_pointers = {"x_ptr": activations, "xs_ptr": "*fp32", "w_ptr": weight, "part_ptr": "*fp32",
+                           "counter_ptr": "*i32", "ys_ptr": "*fp32", **byte_scales}
+        tile = dict(scale, A8=a8, VALUES="bfloat16", QUANT_OUT=False, BLOCK_M=128, BLOCK_N=128,
+                    BLOCK_K=128 if fmt == 1 else 64)
+        yield f"linear[{weight[1:]}{'-a8' if a8 else ''}]", linear._linear_kernel, \
+            _types(linear._linear_kernel, linear_pointers), tile, 8, 3
+        if a8:  # W8A8's grouped wo_a storing wo_b's fp8 codes (`linear.quantizes_in_epilogue`)
+            yield f"linear[{weight[1:]}-a8, fp8 out]", linear._linear_kernel, \
+                _types(linear._linear_kernel, dict(linear_pointers, y_ptr="*fp8e4nv")), dict(tile, QUANT_OUT=True), 8, 3
         # the MoE's fp4 stacks decode with one product (every real checkpoint's scales are at most 2); at
         # prefill sizes the fp4 checkpoints' fp8 shared expert runs apart (`fused_moe.shared_fusable`)
         moe_format = fused_moe.FP4_SMALL_SCALES if fmt == 2 else fmt
@@ -110,9 +115,9 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
     # one row of x and an fp8 weight on CUDA cores (`linear.one_row_tiles`)
     block_m, block_n, block_k, warps, stages = linear.tile_config(1, 1, one_row=True)
     yield "linear[fp8e4nv, one row]", linear._linear_kernel, _types(linear._linear_kernel, {
-        "w_ptr": WEIGHT_TYPES[1], "xs_ptr": "*fp32", "part_ptr": "*fp32", "counter_ptr": "*i32", "s_ptr": "*u8"}), \
-        dict(FORMAT=1, SCALE_BN=128, SCALE_BK=128, IEEE=False, A8=False, ROUND_TO_X=False, BLOCK_M=block_m,
-             BLOCK_N=block_n, BLOCK_K=block_k), warps, stages
+        "w_ptr": WEIGHT_TYPES[1], "xs_ptr": "*fp32", "ys_ptr": "*fp32", "part_ptr": "*fp32", "counter_ptr": "*i32",
+        "s_ptr": "*u8"}), dict(FORMAT=1, SCALE_BN=128, SCALE_BK=128, IEEE=False, A8=False, VALUES="bfloat16",
+                               QUANT_OUT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k), warps, stages
     # decode-sized fp4 steps: the fp8 shared expert in its own K loop of the same launches
     block_m, block_n, block_k, warps, stages = fused_moe.tile_config(448, 2, False)
     decode_format = fused_moe.fp4_kernel_format(block_m)

@@ -64,6 +64,10 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
         for fmt in ("bf16", "fp8", "fp8-a8"):
             yield Case(f"grouped_linear wo_a {fmt} M={m} G={groups} N={group_rows} K={hidden}",
                        partial(_grouped_linear, ops, reference, m, groups, group_rows, hidden, fmt, tiny))
+        # W8A8's wo_a storing wo_b's fp8 codes (compared as their values)
+        yield Case(f"grouped_linear_quantized wo_a fp8-a8 M={m} G={groups} N={group_rows} K={hidden}",
+                   partial(_grouped_linear, ops, reference, m, groups, group_rows, hidden, "fp8-a8", tiny,
+                           quantized_out=True))
     for tokens in ([1, 21] if tiny else [1, 16, 64, 8192]):
         for x_dtype in (torch.bfloat16, torch.float32):  # float32: DeepSeek-V4.1's route_fp32
             yield Case(f"router_logits x={str(x_dtype)[6:]} T={tokens} E={experts}",
@@ -292,14 +296,23 @@ def _top_entries(ops, reference, rows, width, k, gen, device):
             False)
 
 
-def _grouped_linear(ops, reference, m, groups, rows, k, fmt, tiny, gen, device):
+def _grouped_linear(ops, reference, m, groups, rows, k, fmt, tiny, gen, device, quantized_out=False):
+    """`grouped_linear`, or with `quantized_out` `grouped_linear_quantized` in groups of the weight's K block (timed
+    as it is; the check compares the codes' values)."""
     ops, reference = fresh_ops(type(ops), fmt), fresh_ops(type(reference), fmt)
     x = torch.randn(m, groups, k, device=device, generator=gen).to(torch.bfloat16)
     w = torch.randn(groups * rows, k, device=device, generator=gen) / math.sqrt(k)
     weight, scale, block, bytes_per_weight = _quantized(w, fmt, (32, 32) if tiny else (128, 128))
-    nbytes = 2 * m * groups * k + bytes_per_weight * groups * rows * k + 2 * m * groups * rows
-    return (lambda: ops.grouped_linear(x, weight, scale, block), lambda: reference.grouped_linear(x, weight, scale, block),
-            2 * m * groups * rows * k, nbytes, LINEAR_TOL, ops.fp8_activations)
+    out_bytes = (1 + 4 / block[1]) if quantized_out else 2
+    nbytes = 2 * m * groups * k + bytes_per_weight * groups * rows * k + out_bytes * m * groups * rows
+
+    def product(o):
+        if quantized_out:
+            return o.grouped_linear_quantized(x, weight, scale, block, block[1])
+        return o.grouped_linear(x, weight, scale, block)
+
+    return (lambda: product(ops), lambda: product(reference), 2 * m * groups * rows * k, nbytes, LINEAR_TOL,
+            ops.fp8_activations)
 
 
 def _route(ops, reference, tokens, hidden, experts, top_k, hashed, gen, device):

@@ -237,6 +237,68 @@ def test_fp8_codes_of_x_need_a_weight_whose_k_blocks_are_mma_tiles():
         grouped_linear(codes, weight, scale, (32, 32), out_dtype=torch.bfloat16, x_scales=torch.ones(2, 1, 2))
 
 
+@pytest.mark.parametrize("tokens,group,num_sms,batch_invariant,in_epilogue", [
+    (70, 64, None, False, True),  # W8A8 tiles of 64 columns, each one 64-column group: the launch stores the codes
+    (70, 32, None, False, False),  # tiles of two groups: a quantisation launch follows
+    (7, 64, 132, False, True),  # split K: the tile's last program to arrive stores them
+    (7, 64, None, True, True),
+])
+def test_grouped_linear_stores_its_output_as_fp8_codes(monkeypatch, tokens, group, num_sms, batch_invariant,
+                                                       in_epilogue):
+    """With `out_group`, y's codes and scales are `quantize_fp8_rows`' of the launch's y (its rows of G * N), bit for
+    bit, whether the launch stores them or a quantisation launch follows; from x's values or x's codes."""
+    import deepinfer_kernels.linear as linear_module
+    from deepinfer_kernels.activation_quant import quantize_fp8_rows
+
+    gen = torch.Generator().manual_seed(tokens + group)
+    x = torch.randn(tokens, 3, 512, generator=gen).to(torch.bfloat16)
+    weight, scale = quantize_fp8_block(torch.randn(3 * 128, 512, generator=gen) / 8, (64, 64))
+    y = grouped_linear(x, weight, scale, (64, 64), batch_invariant, num_sms, fp8_activations=True)
+    expected = quantize_fp8_rows(y.view(tokens, -1), group)
+    launches = []
+    monkeypatch.setattr(linear_module, "quantize_fp8_rows", lambda *a: launches.append(1) or quantize_fp8_rows(*a))
+    codes, scales = grouped_linear(x, weight, scale, (64, 64), batch_invariant, num_sms, fp8_activations=True,
+                                   out_group=group)
+    assert len(launches) == (1 if in_epilogue else 2)  # x's quantisation, then y's unless the launch stored it
+    assert codes.shape == (tokens, 3, 128) and scales.shape == (tokens, 3 * 128 // group)
+    assert torch.equal(codes.view(tokens, -1).view(torch.uint8), expected[0].view(torch.uint8))
+    assert torch.equal(scales, expected[1])
+    x_codes, x_scales = quantize_fp8_activations(x.flatten(1), 64)
+    from_codes = grouped_linear(x_codes.view(x.shape), weight, scale, (64, 64), batch_invariant, num_sms,
+                                out_dtype=x.dtype, x_scales=x_scales.view(tokens, 3, -1), out_group=group)
+    assert torch.equal(from_codes[0].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(from_codes[1], scales)
+
+
+@pytest.mark.parametrize("tokens,batch_invariant", [(70, False), (7, True)])
+def test_the_output_projection_takes_the_grouped_projections_fp8_codes(tokens, batch_invariant):
+    """wo_a's output as fp8 codes (`grouped_linear_quantized`) are the codes of its values, and wo_b's `linear` of
+    them gives the bits of wo_b's `linear` of those values (W8A8), on the backend's ops; the reference op's codes
+    are its own output's."""
+    from deepinfer_kernels.activation_quant import quantize_fp8_rows
+
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 2, 128, generator=gen).to(torch.bfloat16)
+    wo_a, wo_a_scale = quantize_fp8_block(torch.randn(2 * 128, 128, generator=gen) / 8, (64, 64))
+    wo_b, wo_b_scale = quantize_fp8_block(torch.randn(96, 256, generator=gen) / 8, (64, 64))
+    for ops in (TritonOps(), KernelOps()):
+        ops.fp8_activations, ops.batch_invariant = True, batch_invariant
+        y = ops.grouped_linear(x, wo_a, wo_a_scale, (64, 64)).flatten(1)
+        codes = ops.grouped_linear_quantized(x, wo_a, wo_a_scale, (64, 64), 64)
+        expected_codes, expected_scales = quantize_fp8_rows(y, 64)
+        assert torch.equal(codes.codes.view(torch.uint8), expected_codes.view(torch.uint8))
+        assert torch.equal(codes.scales, expected_scales) and codes.dtype == y.dtype
+        assert torch.equal(ops.linear(codes, wo_b, wo_b_scale, (64, 64)), ops.linear(y, wo_b, wo_b_scale, (64, 64)))
+    assert TritonOps().quantized_input_group(wo_b, (64, 64)) is None, "the codes are for W8A8 products only"
+
+
+def test_grouped_codes_need_whole_groups_a_token():
+    weight, scale = quantize_fp8_block(torch.randn(96, 64), (32, 32))
+    for ops in (TritonOps(), KernelOps()):
+        with pytest.raises(ValueError, match="splits 64-column groups"):
+            ops.grouped_linear_quantized(torch.randn(2, 1, 64), weight, scale, (32, 32), 64)
+
+
 def test_one_row_meeting_an_fp8_weight_of_whole_block_tiles_takes_cuda_core_tiles():
     """One row of x and an fp8 weight whose blocks hold the tile (W8A16) take one-row tiles (the kernel's
     CUDA-core sums); more rows, other weights, smaller blocks, fp8 activations and batch-invariant mode

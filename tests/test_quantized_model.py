@@ -113,11 +113,11 @@ def test_fp8_activations_change_only_a_checkpoint_with_fp8_weights(tiny_checkpoi
 
 
 class CodesTakingOps(KernelOps):
-    """The reference ops with wo_a taking the attention's fp8 codes, as a backend that quantises in its attention's
-    epilogue does (`quantized_input_group`); counts the attention launches that hand codes over."""
+    """The reference ops with wo_a and wo_b taking their inputs as fp8 codes, as a backend that quantises in the
+    attention's and wo_a's epilogues does (`quantized_input_group`); counts the ops that hand codes over."""
 
     def __init__(self) -> None:
-        self.quantized_attentions = 0
+        self.quantized_attentions = self.quantized_projections = 0
 
     def quantized_input_group(self, weight: torch.Tensor, block: tuple[int, int] | None) -> int | None:
         # The tiny model's wo_a rows (64 columns) are shorter than a K block: the product rounds a row as one group.
@@ -127,13 +127,17 @@ class CodesTakingOps(KernelOps):
         self.quantized_attentions += 1
         return super().rotary_attention_quantized(*args, **kwargs)
 
+    def grouped_linear_quantized(self, *args, **kwargs):
+        self.quantized_projections += 1
+        return super().grouped_linear_quantized(*args, **kwargs)
 
-def test_attention_handing_wo_a_its_fp8_codes_computes_the_same_bits(fp8_checkpoint):
+
+def test_attention_handing_wo_a_and_wo_b_fp8_codes_computes_the_same_bits(fp8_checkpoint):
     prompt = torch.randint(0, load_model_config(fp8_checkpoint).vocab_size, (40,),
                            generator=torch.Generator().manual_seed(7))
     ops = CodesTakingOps()
     got, model = logits(fp8_checkpoint, prompt, fp8_activations=True, ops=ops)
-    assert ops.quantized_attentions == model.config.num_hidden_layers
+    assert ops.quantized_attentions == ops.quantized_projections == model.config.num_hidden_layers
     assert torch.equal(got, logits(fp8_checkpoint, prompt, fp8_activations=True)[0])
 
 

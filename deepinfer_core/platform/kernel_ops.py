@@ -105,23 +105,28 @@ class KernelOps:
             y = y * weight.float()
         return y.to(x.dtype)
 
-    @row_tiled("x")
     def linear(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | QuantizedActivations,
         weight: torch.Tensor,
         scale: torch.Tensor | None = None,
         block: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """y = x @ W.T, W dense or quantised.
 
-        x: [..., K] float32/bfloat16. weight: dense [N, K] in x.dtype; or float8_e4m3fn [N, K] with
-        `scale` float8_e8m0fnu [ceil(N/bn), ceil(K/bk)] and `block` = (bn, bk); or int8 [N, K/2]
-        (packed fp4 e2m1, low nibble = even column) with `scale` float8_e8m0fnu [N, K/32].
+        x: [..., K] float32/bfloat16, or its fp8 codes as in `grouped_linear`. weight: dense [N, K] in x.dtype; or
+        float8_e4m3fn [N, K] with `scale` float8_e8m0fnu [ceil(N/bn), ceil(K/bk)] and `block` = (bn, bk); or int8
+        [N, K/2] (packed fp4 e2m1, low nibble = even column) with `scale` float8_e8m0fnu [N, K/32].
         The reference dequantises to x.dtype per call; with `fp8_activations`, x meeting an fp8 weight
         is rounded to fp8 first (groups of bk columns). Returns [..., N] in x.dtype.
         Tolerance: float32 1e-5 relative, bfloat16 1e-2 relative (accumulation order).
         """
+        return self._product(x.dequantize() if isinstance(x, QuantizedActivations) else x, weight, scale, block)
+
+    @row_tiled("x")
+    def _product(
+        self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None
+    ) -> torch.Tensor:
         w = self.dequantize_weight(weight, scale, block, x.dtype)
         return torch.nn.functional.linear(self.fake_quantize_activations(x, weight, block), w)
 
@@ -142,12 +147,32 @@ class KernelOps:
         return self._grouped_product(x.dequantize() if isinstance(x, QuantizedActivations) else x, weight, scale,
                                      block)
 
+    def grouped_linear_quantized(
+        self,
+        x: torch.Tensor | QuantizedActivations,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None,
+        block: tuple[int, int] | None,
+        group: int,
+    ) -> QuantizedActivations:
+        """`grouped_linear`'s output [T, G, R] as fp8 codes of each token's row of G * R values in groups of `group`
+        columns (`quantization.quantize_fp8_activations`: codes [T, G * R], scales [T, G * R / group]), for a
+        projection that takes them (`quantized_input_group`): one op so that a backend can quantise in the
+        product's epilogue, the output then stored once, in fp8. Composed here. Exact against quantising
+        `grouped_linear`'s output (the codes of a backend's output, whose values are within its tolerance)."""
+        from deepinfer_core.quantization import quantize_fp8_activations
+
+        if weight.shape[0] % group:
+            raise ValueError(f"a grouped output of {weight.shape[0]} columns a token splits {group}-column groups")
+        out = self.grouped_linear(x, weight, scale, block)
+        return QuantizedActivations(*quantize_fp8_activations(out.reshape(out.shape[0], -1), group), group, out.dtype)
+
     def quantized_input_group(self, weight: torch.Tensor, block: tuple[int, int] | None) -> int | None:
-        """The group of x's columns in which `grouped_linear` takes x as fp8 codes for `weight`
-        (`QuantizedActivations`, from a producer that quantises its own output: `rotary_attention_quantized`),
-        or None where it takes x's values. None here: the reference rounds x in the product's own op. A backend
-        whose product reads the codes as they are returns the weight's K block, only under `fp8_activations`
-        with an fp8 weight (the product would round x to those codes itself)."""
+        """The group of x's columns in which `linear` and `grouped_linear` take x as fp8 codes for `weight`
+        (`QuantizedActivations`, from a producer that quantises its own output: `rotary_attention_quantized`,
+        `grouped_linear_quantized`), or None where they take x's values. None here: the reference rounds x in the
+        product's own op. A backend whose product reads the codes as they are returns the weight's K block, only
+        under `fp8_activations` with an fp8 weight (the product would round x to those codes itself)."""
         return None
 
     @row_tiled("x")

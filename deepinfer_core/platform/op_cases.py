@@ -289,6 +289,13 @@ def _quantized_linear_inputs(gen, dt, fmt, groups=0):
     return (x, weight, scale), {}
 
 
+def _grouped_linear_quantized_inputs(gen, dt):
+    from deepinfer_core.quantization import quantize_fp8_block
+
+    weight, scale = quantize_fp8_block(_randn(gen, 2 * 64, 128) / 10, (64, 64))
+    return (_randn(gen, 13, 2, 128, dtype=dt), weight, scale, (64, 64), 64), {}
+
+
 def _weight_dequant_inputs(gen, dt):
     """An fp8 weight whose last row and column blocks are cut short, scales spread over 40 binades."""
     from deepinfer_core.quantization import quantize_fp8_block
@@ -359,6 +366,11 @@ OP_CASES: list[OpCase] = [
         "grouped_linear", "fp8_fp8_activations",
         lambda g, dt: _quantized_linear_inputs(g, dt, "fp8", groups=2),
         rtol=_TOL_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 3e-2}, modes={"fp8_activations": True},
+    ),
+    OpCase(  # W8A8 tiles whose column tiles are the output's quantisation groups (64 x 64 blocks, groups of 64)
+        "grouped_linear_quantized", "fp8_fp8_activations_group_64",
+        lambda g, dt: _grouped_linear_quantized_inputs(g, dt), rtol=_CODE_STEP_RTOL, atol=_CODE_STEP_ATOL,
+        modes={"fp8_activations": True}, compared_as=QuantizedActivations.dequantize,
     ),
     OpCase(
         "grouped_linear", "two_groups",

@@ -35,6 +35,7 @@ from deepinfer_core.platform.kernel_ops import MlpWeights
 from deepinfer_kernels.activation_quant import fp8_activation_tiles_supported, quantize_fp8_rows, quantize_groups
 from deepinfer_kernels.arrival_counters import arrival_counters
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
+from deepinfer_kernels.dtype_names import dtype_name, triton_dtype
 from deepinfer_kernels.moe_plan import moe_plan
 from deepinfer_kernels.weight_tiles import (
     FP4_PAIR_ORDER, FP4_SMALL_SCALES, as_kernel_weight, e8m0_to_float, fp4_scales_small, fp8_tiles, load_weight_tile,
@@ -243,7 +244,7 @@ def _gate_up_rows(
     entry = tl.load(row_entry_ptr + offs_m)
     token = tl.where(entry >= 0, entry // (TOP_K + SHARED), 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_dtype: tl.constexpr = _dtype_named(ACT_DTYPE)
+    out_dtype: tl.constexpr = triton_dtype(ACT_DTYPE)
     w1, w_row = _expert_weight(w1_ptr, expert, N, stride_we, pid_n * BLOCK_N, TMA)
     w3, _ = _expert_weight(w3_ptr, expert, N, stride_we, pid_n * BLOCK_N, TMA)  # (the same row as w1's)
     s1 = s1_ptr + expert.to(tl.int64) * stride_se
@@ -532,17 +533,6 @@ def act_quantized_in_gate_up(a8: bool, block_n: int, block_k: int) -> bool:
     return a8 and block_n == block_k
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    """A torch dtype's name, which Triton's dtype shares ("bfloat16"): a constexpr the recorded launches' JSON
-    can hold (`tests/kernel_launches.py`), where a Triton dtype would not serialise."""
-    return str(dtype).removeprefix("torch.")
-
-
-@triton.constexpr_function
-def _dtype_named(name):
-    return getattr(tl, name)
-
-
 def weights_through_tma(kernel_format: int, block_m: int, ieee: bool) -> bool:
     """Whether both launches read the weights through TMA descriptors (`_weight_tile`): 16-bit experts (not the
     float32 MMAs of `ieee`) in tiles of 64 rows or more (the prefill tiles, batch-invariant mode's; the same bits
@@ -715,7 +705,7 @@ def moe_routed(
         x_in.stride(0), x_scales.stride(0), w1.stride(0), w1.stride(1), se, sn, *shared_strides[0], act.stride(0),
         act_scales.stride(0), FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, A8=a8, TMA=tma,
-        ACT_DTYPE=_dtype_name(x.dtype), QUANT_ACT=quant_act, **shared_args,
+        ACT_DTYPE=dtype_name(x.dtype), QUANT_ACT=quant_act, **shared_args,
         num_warps=warps, num_stages=stages, **launch_options(x.device),
         maxnreg=gate_up_registers(kernel_format, shared_format if mixed else None),
     )

@@ -18,14 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_kernels.activation_quant import activation_group_supported, fake_quantize_fp8_rows, quantize_fp8_rows
+from deepinfer_kernels.activation_quant import (
+    activation_group_supported, fake_quantize_fp8_rows, quantize_fp8_rows, quantize_groups,
+)
 from deepinfer_kernels.arrival_counters import arrival_counters
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
+from deepinfer_kernels.dtype_names import dtype_name, triton_dtype
 from deepinfer_kernels.weight_tiles import as_kernel_weight, e8m0_to_float, fp8_tiles, load_weight_tile, weight_format
 
 __all__ = [
     "BATCH_INVARIANT_ROWS", "FP8_MMA_BLOCK_KS", "grouped_linear", "linear", "linear_supported", "one_row_tiles",
-    "split_k", "tile_config",
+    "quantizes_in_epilogue", "split_k", "tile_config",
 ]
 
 # Batch-invariant mode sizes every launch's tiles as for this many rows, whatever the row count: a
@@ -62,13 +65,16 @@ X_IN_L2_BYTES = 24 << 20
 
 @triton.jit
 def _linear_kernel(
-    x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, counter_ptr, M, N, K, K_PER_SPLIT, SPLITS, band,
-    stride_xm, stride_xsm, stride_wn, stride_sn, stride_ym, stride_ysplit,
-    stride_xg, stride_xsg, stride_wg, stride_sg, stride_yg,
+    x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, ys_ptr, part_ptr, counter_ptr, M, N, K, K_PER_SPLIT, SPLITS, band,
+    stride_xm, stride_xsm, stride_wn, stride_sn, stride_ym, stride_ysm, stride_ysplit,
+    stride_xg, stride_xsg, stride_wg, stride_sg, stride_yg, stride_ysg,
     FORMAT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, A8: tl.constexpr,
-    ROUND_TO_X: tl.constexpr, PDL: tl.constexpr,
+    VALUES: tl.constexpr, QUANT_OUT: tl.constexpr, PDL: tl.constexpr,
 ):
+    """VALUES: the dtype (`dtype_names`) y's values are rounded to (x's, or that of the values x's codes encode);
+    y stores them in its own dtype, or with QUANT_OUT (each column tile one quantisation group) as their fp8 codes,
+    ys_ptr taking their scales."""
     wait_for_previous_grid(PDL)
     row_tiles, column_tiles = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_coords(tl.program_id(0), row_tiles, column_tiles, band)
@@ -80,6 +86,7 @@ def _linear_kernel(
     w_ptr += group.to(tl.int64) * stride_wg
     s_ptr += group.to(tl.int64) * stride_sg
     y_ptr += group.to(tl.int64) * stride_yg
+    ys_ptr += group.to(tl.int64) * stride_ysg
     part_ptr += group.to(tl.int64) * stride_yg
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n0 = pid_n * BLOCK_N
@@ -94,7 +101,7 @@ def _linear_kernel(
     cells = offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SPLITS == 1:
-        tl.store(y_ptr + cells, _output(acc, x_ptr, y_ptr, ROUND_TO_X), mask=mask)
+        _store_output(acc, y_ptr + cells, ys_ptr, offs_m, pid_n, M, stride_ysm, mask, VALUES, QUANT_OUT)
     else:
         # The tile's last program to arrive adds the partial sums in split order (the same on every run)
         # and resets the tile's counter for the next launch: no reduction launch.
@@ -106,7 +113,7 @@ def _linear_kernel(
             for s in range(SPLITS):
                 # from L2 (.cg): this SM's L1 never holds another SM's partial
                 total += tl.load(part_ptr + s * stride_ysplit + cells, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptr + cells, _output(total, x_ptr, y_ptr, ROUND_TO_X), mask=mask)
+            _store_output(total, y_ptr + cells, ys_ptr, offs_m, pid_n, M, stride_ysm, mask, VALUES, QUANT_OUT)
             tl.store(counter, 0)
 
 
@@ -122,12 +129,16 @@ def _tile_coords(tile, row_tiles, column_tiles, band):
 
 
 @triton.jit
-def _output(acc, x_ptr, y_ptr, ROUND_TO_X: tl.constexpr):
-    """The float32 sums as y stores them; ROUND_TO_X: rounded to x's dtype first, so that a wider y (float32
-    logits) holds exactly what a y in x's dtype would."""
-    if ROUND_TO_X:
-        acc = acc.to(x_ptr.dtype.element_ty)
-    return acc.to(y_ptr.dtype.element_ty)
+def _store_output(acc, y_cells, ys_ptr, offs_m, pid_n, M, stride_ysm, mask, VALUES: tl.constexpr,
+                  QUANT_OUT: tl.constexpr):
+    """The float32 sums rounded to VALUES, stored in y's dtype (a wider y, float32 logits, holds exactly what a y in
+    VALUES would), or with QUANT_OUT as the tile's rows' fp8 codes (`quantize_fp8_rows`' bits) and scales."""
+    values = acc.to(triton_dtype(VALUES))
+    if QUANT_OUT:
+        codes, scales = quantize_groups(values.to(tl.float32), 1)
+        tl.store(ys_ptr + offs_m.to(tl.int64) * stride_ysm + pid_n, scales, mask=offs_m < M)
+        values = codes
+    tl.store(y_cells, values.to(y_cells.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -253,27 +264,33 @@ def linear_supported(weight: torch.Tensor, block: tuple[int, int] | None, fp8_ac
 def linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
     batch_invariant: bool = False, num_sms: int | None = None, fp8_activations: bool = False,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, x_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x @ W.T. `num_sms`: the device's multiprocessors; given, launches with few output tiles split K
     (not in batch-invariant mode, whose K loop must not depend on the row count). `fp8_activations`:
     an fp8 weight meets x quantised to fp8 (W8A8); other weights ignore it. `out_dtype`: y's dtype (x's by
-    default), holding the values rounded to x's dtype: linear(...).to(out_dtype) in the product's own pass."""
+    default), holding the values rounded to x's dtype: linear(...).to(out_dtype) in the product's own pass.
+    `x_scales` [..., K / block[1]]: x is fp8 codes (`grouped_linear`)."""
     k, n = x.shape[-1], weight.shape[0]
+    if x_scales is not None:
+        x_scales = x_scales.reshape(-1, 1, x_scales.shape[-1])
     y = grouped_linear(x.reshape(-1, 1, k), weight, scale, block, batch_invariant, num_sms, fp8_activations,
-                       out_dtype)
+                       out_dtype, x_scales)
     return y.view(*x.shape[:-1], n)
 
 
 def grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
     batch_invariant: bool = False, num_sms: int | None = None, fp8_activations: bool = False,
-    out_dtype: torch.dtype | None = None, x_scales: torch.Tensor | None = None,
-) -> torch.Tensor:
+    out_dtype: torch.dtype | None = None, x_scales: torch.Tensor | None = None, out_group: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [T, G, K], weight [G*N, K] -> y [T, G, N], y[:, g] = x[:, g] @ W[g*N:(g+1)*N].T, in one launch
     (arguments as in `linear`). fp8 groups hold whole scale blocks (N a multiple of block[0]). With `x_scales`
     [T, G, K / block[1]], x is already fp8 codes in the weight's K blocks (`quantize_fp8_rows` of values in
-    out_dtype): the W8A8 launch without its quantisation, the same bits."""
+    out_dtype): the W8A8 launch without its quantisation, the same bits. With `out_group`, y is returned as the
+    fp8 codes [T, G, N] and scales [T, G * N / out_group] of its values (`quantize_fp8_rows` of its rows of G * N,
+    in groups of out_group columns), for a product that takes codes: the launch stores them where each of its
+    column tiles is one group (`quantizes_in_epilogue`), else a quantisation launch follows."""
     tokens, groups, k = x.shape
     n, fmt = weight.shape[0] // groups, weight_format(weight)
     codes_given = x_scales is not None
@@ -290,7 +307,6 @@ def grouped_linear(
         x, a8 = fake_quantize_fp8_rows(x.reshape(tokens * groups, k), block[1]).view(tokens, groups, k), False
     values = out_dtype if codes_given else x.dtype  # what x holds (or encodes)
     w, s = as_kernel_weight(weight.contiguous() if weight.stride(-1) != 1 else weight, scale)
-    out = torch.empty((tokens, groups, n), dtype=out_dtype or x.dtype, device=x.device)
     tiled_rows = BATCH_INVARIANT_ROWS if batch_invariant else tokens
     one_row = one_row_tiles(tiled_rows, fmt, block, a8, x.dtype == torch.float32)
     if fmt == 0 and w.dtype != x.dtype and not one_row:  # one-row tiles widen the weight as they load it
@@ -299,8 +315,8 @@ def grouped_linear(
     kernel_format = fmt
     if fmt == 1 and not a8:
         kernel_format, block_n, block_k = fp8_tiles(block, block_n, block_k)
-    if a8 and out.dtype != values:
-        raise ValueError(f"fp8 activations give y in x's dtype ({values}), not {out.dtype}")
+    if a8 and (out_dtype or values) != values:
+        raise ValueError(f"fp8 activations give y in x's dtype ({values}), not {out_dtype}")
     x_in = x
     if a8:
         block_n, block_k = min(block_n, block[0]), block[1]  # one K tile = one activation group
@@ -311,6 +327,11 @@ def grouped_linear(
             x_in, x_scales = codes.view(tokens, groups, k), x_scales.view(tokens, groups, -1)
     else:
         x_scales = w  # never read
+    quant_out = out_group is not None and quantizes_in_epilogue(out_group, block_n, n)
+    out = torch.empty((tokens, groups, n), dtype=torch.float8_e4m3fn if quant_out else out_dtype or values,
+                      device=x.device)
+    # (out: never read without quant_out)
+    out_scales = out.new_empty((tokens, groups * n // out_group), dtype=torch.float32) if quant_out else out
     scale_bn, scale_bk = block if fmt == 1 else (1, 1)
     scale_rows_per_group = n // scale_bn
     tiles = (triton.cdiv(tokens, block_m), triton.cdiv(n, block_n))
@@ -325,17 +346,30 @@ def grouped_linear(
         counters = _arrival_counters(x.device, tiles[0] * tiles[1] * groups)
     s_stride = s.stride(0) if scale is not None else 0
     _linear_kernel[(tiles[0] * tiles[1], 1, groups * splits)](
-        x_in, x_scales, w, s, out, partials, counters, tokens, n, k, k_per_split, splits,
+        x_in, x_scales, w, s, out, out_scales, partials, counters, tokens, n, k, k_per_split, splits,
         _row_band(tiles[0], tokens * k * x_in.element_size()),
-        x_in.stride(0), x_scales.stride(0), w.stride(0), s_stride, out.stride(0), partials.stride(0),
+        x_in.stride(0), x_scales.stride(0), w.stride(0), s_stride, out.stride(0),
+        out_scales.stride(0) if quant_out else 0, partials.stride(0),
         x_in.stride(1), x_scales.stride(1) if a8 else 0, n * w.stride(0), scale_rows_per_group * s_stride,
-        out.stride(1),
+        out.stride(1), n // block_n if quant_out else 0,
         FORMAT=kernel_format, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-        A8=a8, ROUND_TO_X=out.dtype != values, num_warps=warps, num_stages=stages,
+        A8=a8, VALUES=dtype_name(values), QUANT_OUT=quant_out, num_warps=warps, num_stages=stages,
         **launch_options(x.device),
     )
-    return out
+    if out_group is None or quant_out:
+        return out if out_group is None else (out, out_scales)
+    codes, scales = quantize_fp8_rows(out.view(tokens, groups * n), out_group)
+    return codes.view(tokens, groups, n), scales
+
+
+def quantizes_in_epilogue(group: int, block_n: int, n: int) -> bool:
+    """Whether `grouped_linear`'s launch stores y as fp8 codes in groups of `group` columns: when each of its
+    column tiles (block_n wide, of a group's N columns) is exactly one quantisation group, as the W8A8 prefill
+    tiles of 128 x 128 blocks are (V4's wo_a for wo_b). The same codes as the quantisation launch's. H100, V4's
+    wo_a then wo_b at 8,192 rows: wo_a 1,031.5 -> 1,053.0 us, wo_b 580.6 -> 497.7 (no quantisation launch), the
+    pair 1,633.9 -> 1,574.1 (BENCHMARKS.md)."""
+    return block_n == group and n % block_n == 0
 
 
 def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:

@@ -15,8 +15,10 @@ forming the same scores; it reached ~100 TFLOP/s (BENCHMARKS.md, thirteenth sess
   before that (the block table's load depends on them: waiting for the two loads in a row was the loop's
   largest stall), and the copy leaves each key's visibility in shared memory for the softmax;
 - a row's maximum is each warp group's half within its warps, then one exchange through shared memory;
-- under W8A8 (QUANT_GROUP) the epilogue de-rotates the output in shared memory and stores its fp8 codes and
-  scales, the bits `quantize_fp8_rows` makes of the bf16 output: wo_a's input goes to memory once, in fp8.
+- the epilogue de-rotates the output in shared memory before its one store (it was stored, read back and its
+  rotated channels stored again: H100, V4's bf16 8,192-token step 51.82 / 52.03 -> 51.60 / 51.72 ms, the same
+  bits); under W8A8 (QUANT_GROUP) it stores the fp8 codes and scales, the bits
+  `quantize_fp8_rows` makes of the bf16 output: wo_a's input goes to memory once, in fp8.
 
 Measured on an H100 (BENCHMARKS.md, thirty-sixth and thirty-seventh sessions): 1.2-2.0x the Triton kernel at
 8,192 tokens (CSA 118 -> 237 TFLOP/s), V4's prefill step ~10% faster.
@@ -314,12 +316,12 @@ def _wgmma_attention_kernel(
 
     total_p = gl.sum(l_part, axis=1) + gl.exp(sink - m_i)
     out = (acc / gl.convert_layout(total_p, gl.SliceLayout(1, o_layout))[:, None]).to(gl.bfloat16)
-    # through shared memory (the query's, free now), for 16-byte stores of whole rows
+    # through shared memory (the query's, free now): de-rotated there, then stored in 16-byte runs of whole rows
     q_smem.store(out)
     gl.thread_barrier()
+    if ROTARY:
+        _derotate_in_shared(q_smem, pos, freq_ptr, rope_half, D, ROPE_BLOCK, num_warps)
     if QUANT_GROUP:
-        if ROTARY:
-            _derotate_in_shared(q_smem, pos, freq_ptr, rope_half, D, ROPE_BLOCK, num_warps)
         _store_quantized(q_smem, out_ptr, scales_ptr, t, h0, H, stride_ot, stride_oh, stride_st, D, QUANT_GROUP,
                          num_warps)
     else:
@@ -329,18 +331,6 @@ def _wgmma_attention_kernel(
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, store_layout))
         out_rows = out_ptr + t.to(gl.int64) * stride_ot + rows[:, None] * stride_oh
         gl.store(out_rows + cols[None, :], out, mask=(rows < H)[:, None])
-        if ROTARY:
-            # De-rotate the rotated channels in place: each thread reads both channels of its pairs, then writes
-            # them, so no thread overwrites what another has still to read.
-            gl.thread_barrier()
-            rope_layout: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [num_warps, 1], [1, 0])
-            rope_cols, rotated, cos, sin = _rotation(pos, freq_ptr, D, rope_half, -1.0, ROPE_BLOCK, rope_layout)
-            rows = h0 + gl.arange(0, HEADS, layout=gl.SliceLayout(1, rope_layout))
-            out_rows = out_ptr + t.to(gl.int64) * stride_ot + rows[:, None] * stride_oh
-            live = (rows < H)[:, None]
-            x = gl.load(out_rows + rope_cols[None, :], mask=live, other=0.0)
-            partner = gl.load(out_rows + (rope_cols ^ 1)[None, :], mask=live, other=0.0)
-            gl.store(out_rows + rope_cols[None, :], _rotate(x, partner, rotated, cos, sin), mask=live)
 
 
 @gluon.jit

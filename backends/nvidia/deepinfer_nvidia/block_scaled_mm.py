@@ -16,7 +16,7 @@ import torch
 
 from deepinfer_kernels.activation_quant import quantize_fp8_rows
 
-__all__ = ["block_scaled_mm", "block_scaled_supported"]
+__all__ = ["block_scaled_codes_mm", "block_scaled_mm", "block_scaled_supported"]
 
 BLOCK = (128, 128)
 
@@ -46,6 +46,13 @@ def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) 
     """x [M, K] bf16 @ W.T for W fp8 [N, K] (contiguous) with e8m0 block scales [N/128, K/128]:
     [M, N] bf16."""
     codes, x_scales = quantize_fp8_rows(x if x.stride(-1) == 1 else x.contiguous(), BLOCK[1])
+    return block_scaled_codes_mm(codes, x_scales, weight, scale)
+
+
+def block_scaled_codes_mm(codes: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor,
+                          scale: torch.Tensor) -> torch.Tensor:
+    """`block_scaled_mm` of x given as its fp8 codes [M, K] and float32 scales [M, K/128] (`quantize_fp8_rows`' of
+    x, or a producer's that quantised its own output): [M, N] bf16."""
     # cuBLAS reads both scale tensors column-major: x's [M, K/128] with stride (1, M), W's as [K/128, N/128]
     # with stride (1, K/128), which is W's row-major [N/128, K/128] transposed.
     return torch._scaled_mm(codes, weight.t(), x_scales.t().contiguous().t(), scale.float().t(),

@@ -83,8 +83,10 @@ class TritonOps(KernelOps):
         self._dequantize_fp8_weight = weight_dequant.dequantize_fp8_weight
         self._fp8_weight_supported = weight_dequant.fp8_weight_supported
         self._fake_quantize_rows = activation_quant.fake_quantize_fp8_rows
+        self._quantize_rows = activation_quant.quantize_fp8_rows
         self._fake_quantize_supported = activation_quant.fake_quantize_supported
         self._block_scaled_mm = block_scaled_mm.block_scaled_mm
+        self._block_scaled_codes_mm = block_scaled_mm.block_scaled_codes_mm
         self._block_scaled_supported = block_scaled_mm.block_scaled_supported
         self._moe_routed = fused_moe.moe_routed
         self._route_logits = routing.route_logits
@@ -129,11 +131,13 @@ class TritonOps(KernelOps):
 
     def linear(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | QuantizedActivations,
         weight: torch.Tensor,
         scale: torch.Tensor | None = None,
         block: tuple[int, int] | None = None,
     ) -> torch.Tensor:
+        if isinstance(x, QuantizedActivations):
+            return self._linear_of_codes(x, weight, scale, block)
         # Fallback: fp8 block shapes that are not powers of two >= 16 (or, with fp8 activations, K blocks
         # that are not powers of two from 16 to 256), fp4 rows that are not whole scale groups.
         if not self._linear_supported(weight, block, self.fp8_activations):
@@ -141,11 +145,26 @@ class TritonOps(KernelOps):
         rows = x.numel() // x.shape[-1]
         if self._dense_on_cublas(x.dtype, x.device, weight, block, rows):
             return super().linear(x, weight, scale, block)
-        if self._block_scaled_on_cublas(x, weight, block, rows):
+        if self._block_scaled_on_cublas(x.dtype, x.device, weight, block, rows):
             return self._block_scaled_mm(x.reshape(rows, -1), weight, scale).view(*x.shape[:-1], weight.shape[0])
         return self._linear(
             x, weight, scale, block, self.batch_invariant, self._num_sms(x.device), self.fp8_activations
         )
+
+    def _linear_of_codes(self, x: QuantizedActivations, weight: torch.Tensor, scale: torch.Tensor | None,
+                         block: tuple[int, int] | None) -> torch.Tensor:
+        """`linear` of x's codes on the routes its values would take that read codes as they are (cuBLAS's
+        block-scaled GEMM, the Triton W8A8 launch), else of x's values (a dequantising pass more)."""
+        codes = x.codes
+        rows, device = codes.numel() // codes.shape[-1], codes.device
+        if self.quantized_input_group(weight, block) != x.group or self._dense_on_cublas(x.dtype, device, weight,
+                                                                                         block, rows):
+            return self.linear(x.dequantize(), weight, scale, block)
+        if self._block_scaled_on_cublas(x.dtype, device, weight, block, rows):
+            y = self._block_scaled_codes_mm(codes.reshape(rows, -1), x.scales.reshape(rows, -1), weight, scale)
+            return y.view(*codes.shape[:-1], weight.shape[0])
+        return self._linear(codes, weight, scale, block, self.batch_invariant, self._num_sms(device),
+                            out_dtype=x.dtype, x_scales=x.scales)
 
     def grouped_linear(
         self,
@@ -154,25 +173,63 @@ class TritonOps(KernelOps):
         scale: torch.Tensor | None = None,
         block: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        if isinstance(x, QuantizedActivations):
-            if self._takes_codes(x, weight, block):
-                return self._grouped_linear(x.codes, weight, scale, block, self.batch_invariant,
-                                            self._num_sms(x.codes.device), out_dtype=x.dtype, x_scales=x.scales)
-            x = x.dequantize()  # (the paths below round the values to themselves)
+        x = self._grouped_input(x, weight, block)
+        out = self._grouped_on_triton(x, weight, scale, block)
+        # Fallback: what `linear` refuses, fp8 groups that would split a scale block (and cuBLAS's products).
+        return super().grouped_linear(x, weight, scale, block) if out is None else out
+
+    def grouped_linear_quantized(
+        self,
+        x: torch.Tensor | QuantizedActivations,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None,
+        block: tuple[int, int] | None,
+        group: int,
+    ) -> QuantizedActivations:
+        # The Triton launch stores the codes where each of its column tiles is one group (`quantizes_in_epilogue`:
+        # W8A8's prefill tiles of 128 x 128 blocks), else quantises its output in a launch after it, as the other
+        # routes' output is.
+        if weight.shape[0] % group:
+            return super().grouped_linear_quantized(x, weight, scale, block, group)  # (its error)
+        x = self._grouped_input(x, weight, block)
+        out = self._grouped_on_triton(x, weight, scale, block, group)
+        if out is None:
+            y = super().grouped_linear(x, weight, scale, block)
+            out = self._quantize_rows(y.reshape(y.shape[0], -1), group)
+        codes, scales = out
+        return QuantizedActivations(codes.flatten(1), scales, group, x.dtype)
+
+    def _grouped_input(self, x: torch.Tensor | QuantizedActivations, weight: torch.Tensor,
+                       block: tuple[int, int] | None) -> torch.Tensor | QuantizedActivations:
+        """x as the grouped product's route takes it: codes where the Triton W8A8 launch reads them, else values
+        (the paths that take the values round them to themselves)."""
+        if isinstance(x, QuantizedActivations) and not self._takes_codes(x, weight, block):
+            return x.dequantize()
+        return x
+
+    def _grouped_on_triton(self, x: torch.Tensor | QuantizedActivations, weight: torch.Tensor,
+                           scale: torch.Tensor | None, block: tuple[int, int] | None,
+                           out_group: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """The Triton launch's `grouped_linear` (with `out_group`: the codes and scales of its output), or None
+        where the reference op takes the product: what `linear` refuses, fp8 groups that would split a scale
+        block, and products cuBLAS runs faster (`_dense_on_cublas`)."""
+        if isinstance(x, QuantizedActivations):  # (codes the launch takes: `_grouped_input`)
+            return self._grouped_linear(x.codes, weight, scale, block, self.batch_invariant,
+                                        self._num_sms(x.codes.device), out_dtype=x.dtype, x_scales=x.scales,
+                                        out_group=out_group)
         rows = weight.shape[0] // x.shape[1]
-        # Fallback: what `linear` refuses, and fp8 groups that would split a scale block.
-        if not self._linear_supported(weight, block, self.fp8_activations) or (block is not None and rows % block[0]):
-            return super().grouped_linear(x, weight, scale, block)
-        if self._dense_on_cublas(x.dtype, x.device, weight, block, x.shape[0]):
-            return super().grouped_linear(x, weight, scale, block)
-        return self._grouped_linear(
-            x, weight, scale, block, self.batch_invariant, self._num_sms(x.device), self.fp8_activations
-        )
+        if (not self._linear_supported(weight, block, self.fp8_activations) or (block is not None and rows % block[0])
+                or self._dense_on_cublas(x.dtype, x.device, weight, block, x.shape[0])):
+            return None
+        return self._grouped_linear(x, weight, scale, block, self.batch_invariant, self._num_sms(x.device),
+                                    self.fp8_activations, out_group=out_group)
 
     def quantized_input_group(self, weight: torch.Tensor, block: tuple[int, int] | None) -> int | None:
-        # The Triton W8A8 launch reads codes in K tiles of one group (rows of whole groups), stored by the attention's
-        # epilogue in place of its bf16 output: H100, V4's W8A8 8,192-token step 43.56 / 43.59 -> 42.64 / 42.55 ms,
-        # the same bits. Its other routes take the values (dequantised: a pass more where they are taken).
+        # The Triton W8A8 launch reads codes in K tiles of one group (rows of whole groups), and so does cuBLAS's
+        # block-scaled GEMM (`block_scaled_mm`): stored by the attention's epilogue in place of its bf16 output
+        # (H100, V4's W8A8 8,192-token step 43.56 / 43.59 -> 42.64 / 42.55 ms, the same bits), and by the grouped
+        # wo_a's for wo_b (42.55 / 42.90 -> 42.30 / 42.47 ms, the same bits). Their other routes take the values
+        # (dequantised: a pass more where they are taken).
         if (self.fp8_activations and weight.dtype == torch.float8_e4m3fn and block is not None
                 and block[1] in self._fp8_mma_block_ks and weight.shape[1] % block[1] == 0
                 and self._linear_supported(weight, block, True)):
@@ -250,12 +307,13 @@ class TritonOps(KernelOps):
                                                                                          rows)
         return weight.dtype == dtype and rows >= CUBLAS_ROWS
 
-    def _block_scaled_on_cublas(self, x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None,
-                                rows: int) -> bool:
-        """Whether a W8A8 `linear` runs on cuBLAS's block-scaled GEMM (`block_scaled_mm`; H100, 8,192 rows:
-        wq_b 0.58 against 0.87 ms, wo_b 0.58 against 0.87), under the same conditions as `_dense_on_cublas`."""
+    def _block_scaled_on_cublas(self, dtype: torch.dtype, device: torch.device, weight: torch.Tensor,
+                                block: tuple[int, int] | None, rows: int) -> bool:
+        """Whether a W8A8 `linear` of x in `dtype` runs on cuBLAS's block-scaled GEMM (`block_scaled_mm`; H100,
+        8,192 rows: wq_b 0.58 against 0.87 ms, wo_b 0.58 against 0.87), under the same conditions as
+        `_dense_on_cublas`."""
         return (not self.batch_invariant and self.fp8_activations and rows >= CUBLAS_ROWS
-                and self._block_scaled_supported(x.dtype, x.device, weight, block, rows))
+                and self._block_scaled_supported(dtype, device, weight, block, rows))
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # float32 straight from the product: no widening pass, which in a decode graph is a torch kernel

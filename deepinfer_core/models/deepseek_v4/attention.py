@@ -17,7 +17,7 @@ from .linear import LinearGroup
 from .rope import rope_inv_freq
 from .step_rows import StepRows
 
-__all__ = ["Attention", "output_for"]
+__all__ = ["Attention", "output_for", "output_projection"]
 
 
 class Attention(nn.Module):
@@ -72,9 +72,7 @@ class Attention(nn.Module):
         out = output_for(self.wo_a, ops, q, kv, cache.window, self.attn_sink, self.head_dim**-0.5, batch,
                          self.inv_freq, q_norm_eps=self.eps, entries=entries, ratio=self.ratio, selected=selected)
         ops.store_window(step_kv, cache.window, step)
-        grouped = ops.grouped_linear(out.view(q.shape[0], self.o_groups, -1), self.wo_a.weight, self.wo_a.scale,
-                                     self.wo_a.block)
-        return self.wo_b(grouped.flatten(1))
+        return output_projection(ops, out, q.shape[0], self.o_groups, self.wo_a, self.wo_b)
 
 
 def output_for(
@@ -87,3 +85,18 @@ def output_for(
     if group is None:
         return ops.rotary_attention(*args, **kwargs)
     return ops.rotary_attention_quantized(*args, group=group, **kwargs)
+
+
+def output_projection(
+    ops: KernelOps, out: torch.Tensor | QuantizedActivations, tokens: int, o_groups: int, wo_a: nn.Module,
+    wo_b: nn.Module,
+) -> torch.Tensor:
+    """wo_b of wo_a of the attention's output (its values or codes, `output_for`), wo_a a block-diagonal projection
+    of each token's `o_groups` groups of heads. wo_a hands wo_b its output as fp8 codes where wo_b takes them
+    (`KernelOps.grouped_linear_quantized`, `quantized_input_group`: W8A8 on a backend that quantises in the
+    product's epilogue)."""
+    grouped = out.view(tokens, o_groups, -1)
+    group = ops.quantized_input_group(wo_b.weight, wo_b.block)
+    if group is None:
+        return wo_b(ops.grouped_linear(grouped, wo_a.weight, wo_a.scale, wo_a.block).flatten(1))
+    return wo_b(ops.grouped_linear_quantized(grouped, wo_a.weight, wo_a.scale, wo_a.block, group))

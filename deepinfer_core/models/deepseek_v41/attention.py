@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from deepinfer_core.models.deepseek_v4.attention import output_for
+from deepinfer_core.models.deepseek_v4.attention import output_for, output_projection
 from deepinfer_core.models.deepseek_v4.linear import LinearGroup
 from deepinfer_core.models.deepseek_v4.rope import rope_inv_freq
 from deepinfer_core.models.forward_batch import ForwardBatch, NotOnHost
@@ -114,9 +114,7 @@ class Attention(nn.Module):
             entries=entries, ratio=self.ratio, selected=band.selected if attend else None,
         )
         store_in_ring(self.ops, kv, batch, window, state.ring_writes)
-        grouped = ops.grouped_linear(out.view(q.shape[0], self.o_groups, -1), self.wo_a.weight, self.wo_a.scale,
-                                     self.wo_a.block)
-        return self.wo_b(grouped.flatten(1))
+        return output_projection(ops, out, q.shape[0], self.o_groups, self.wo_a, self.wo_b)
 
     def _publish(self, x: torch.Tensor, batch: ForwardBatch, band: BandState) -> None:
         """Compress the step's tokens; store the completed groups' entries and indexer keys."""

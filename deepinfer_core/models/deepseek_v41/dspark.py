@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from deepinfer_core.models.deepseek_v4.attention import output_projection
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.kernel_ops import KernelOps
 
@@ -258,6 +259,4 @@ def _block_attention(
     kv = attn.kv.window(ops.rope(attn.kv_norm(attn.wkv(x)), positions, attn.inv_freq))
     out = ops.sparse_attention(q, kv, ring, attn.attn_sink, attn.head_dim**-0.5, local)
     out = ops.rope(out, positions, attn.inv_freq, inverse=True)
-    grouped = ops.grouped_linear(out.view(out.shape[0], attn.o_groups, -1), attn.wo_a.weight, attn.wo_a.scale,
-                                 attn.wo_a.block)
-    return attn.wo_b(grouped.flatten(1))
+    return output_projection(ops, out, out.shape[0], attn.o_groups, attn.wo_a, attn.wo_b)
