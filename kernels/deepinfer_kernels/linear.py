@@ -330,7 +330,7 @@ def grouped_linear(
     quant_out = out_group is not None and quantizes_in_epilogue(out_group, block_n, n)
     out = torch.empty((tokens, groups, n), dtype=torch.float8_e4m3fn if quant_out else out_dtype or values,
                       device=x.device)
-    # (out: never read without quant_out)
+    # (out_scales is out where there are no scales to store: never read then)
     out_scales = out.new_empty((tokens, groups * n // out_group), dtype=torch.float32) if quant_out else out
     scale_bn, scale_bk = block if fmt == 1 else (1, 1)
     scale_rows_per_group = n // scale_bn
