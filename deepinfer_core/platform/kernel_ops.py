@@ -50,6 +50,15 @@ class QuantizedActivations:
     group: int
     dtype: torch.dtype
 
+    @classmethod
+    def of_rows(cls, values: torch.Tensor, group: int) -> QuantizedActivations:
+        """values [T, ...] quantised as each token's row of values (`quantization.quantize_fp8_activations`): codes
+        [T, K], scales [T, K / group]. The reference for what a producer quantising its own output hands over."""
+        from deepinfer_core.quantization import quantize_fp8_activations
+
+        rows = values.reshape(values.shape[0], -1)
+        return cls(*quantize_fp8_activations(rows, group), group, values.dtype)
+
     def view(self, *shape: int) -> QuantizedActivations:
         """Both tensors viewed as `shape` (the scales' last dim a group's share of it): whole groups a row."""
         codes = self.codes.view(*shape)
@@ -160,12 +169,9 @@ class KernelOps:
         projection that takes them (`quantized_input_group`): one op so that a backend can quantise in the
         product's epilogue, the output then stored once, in fp8. Composed here. Exact against quantising
         `grouped_linear`'s output (the codes of a backend's output, whose values are within its tolerance)."""
-        from deepinfer_core.quantization import quantize_fp8_activations
-
         if weight.shape[0] % group:
             raise ValueError(f"a grouped output of {weight.shape[0]} columns a token splits {group}-column groups")
-        out = self.grouped_linear(x, weight, scale, block)
-        return QuantizedActivations(*quantize_fp8_activations(out.reshape(out.shape[0], -1), group), group, out.dtype)
+        return QuantizedActivations.of_rows(self.grouped_linear(x, weight, scale, block), group)
 
     def quantized_input_group(self, weight: torch.Tensor, block: tuple[int, int] | None) -> int | None:
         """The group of x's columns in which `linear` and `grouped_linear` take x as fp8 codes for `weight`
@@ -557,13 +563,11 @@ class KernelOps:
         a projection that takes them (`quantized_input_group`): one op so that a backend can quantise in the
         attention's epilogue, the output then stored once, in fp8. Composed here. Exact against quantising
         `rotary_attention`'s output (the codes of a backend's output, whose values are within its tolerance)."""
-        from deepinfer_core.quantization import quantize_fp8_activations
-
-        tokens, heads, dim = q.shape
+        _, heads, dim = q.shape
         if heads * dim % group:
             raise ValueError(f"an attention output of {heads} x {dim} columns a token splits {group}-column groups")
         out = self.rotary_attention(q, kv, window, sinks, scale, batch, inv_freq, q_norm_eps, entries, ratio, selected)
-        return QuantizedActivations(*quantize_fp8_activations(out.view(tokens, heads * dim), group), group, out.dtype)
+        return QuantizedActivations.of_rows(out, group)
 
     def store_window(self, kv: torch.Tensor, window: torch.Tensor, batch: ForwardBatch) -> None:
         """Write this step's K=V vectors into the sliding-window ring.
