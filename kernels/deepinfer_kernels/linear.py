@@ -357,8 +357,10 @@ def grouped_linear(
         A8=a8, VALUES=dtype_name(values), QUANT_OUT=quant_out, num_warps=warps, num_stages=stages,
         **launch_options(x.device),
     )
-    if out_group is None or quant_out:
-        return out if out_group is None else (out, out_scales)
+    if out_group is None:
+        return out
+    if quant_out:
+        return out, out_scales
     codes, scales = quantize_fp8_rows(out.view(tokens, groups * n), out_group)
     return codes.view(tokens, groups, n), scales
 

@@ -157,8 +157,7 @@ class TritonOps(KernelOps):
         block-scaled GEMM, the Triton W8A8 launch), else of x's values (a dequantising pass more)."""
         codes = x.codes
         rows, device = codes.numel() // codes.shape[-1], codes.device
-        if self.quantized_input_group(weight, block) != x.group or self._dense_on_cublas(x.dtype, device, weight,
-                                                                                         block, rows):
+        if not self._reads_codes(x, weight, block, rows):
             return self.linear(x.dequantize(), weight, scale, block)
         if self._block_scaled_on_cublas(x.dtype, device, weight, block, rows):
             y = self._block_scaled_codes_mm(codes.reshape(rows, -1), x.scales.reshape(rows, -1), weight, scale)
@@ -239,8 +238,13 @@ class TritonOps(KernelOps):
     def _takes_codes(self, x: QuantizedActivations, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
         """Whether `grouped_linear` hands x's codes to the Triton W8A8 launch: the route x's values would take."""
         tokens, groups, _ = x.codes.shape
-        rows = weight.shape[0] // groups
-        return (self.quantized_input_group(weight, block) == x.group and rows % block[0] == 0
+        return self._reads_codes(x, weight, block, tokens) and weight.shape[0] // groups % block[0] == 0
+
+    def _reads_codes(self, x: QuantizedActivations, weight: torch.Tensor, block: tuple[int, int] | None,
+                     tokens: int) -> bool:
+        """Whether a product of `tokens` rows of x keeps x's codes: `weight` takes codes in x's group, and its
+        route is not cuBLAS's dense GEMM (which takes x's values)."""
+        return (self.quantized_input_group(weight, block) == x.group
                 and not self._dense_on_cublas(x.dtype, x.codes.device, weight, block, tokens))
 
     def rotary_attention_quantized(
