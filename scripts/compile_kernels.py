@@ -175,7 +175,8 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
 
 def _hc_variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
     """The mHC stream update alone and with the next site's partial sums, and those sums alone, at V4-Flash's
-    n = 4, D = 4096 (fn's 24 rows padded to 32) with bf16 streams, at decode and prefill tiles."""
+    n = 4, D = 4096 (fn's 24 rows padded to 32) with bf16 streams, at decode and prefill tiles (the update's prefill
+    tile loading fn's bf16 pieces, `hyper_connection.fn_pieces`, as it does at prefill sizes)."""
     n, stages = 4, 3  # stages: the launches leave Triton's default
     floats = {name: "*fp32" for name in ("post_ptr", "comb_ptr", "fn_ptr", "part_ptr")}
     update = hyper_connection._hc_update_kernel
@@ -189,7 +190,8 @@ def _hc_variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
         yield f"hc_mix_partial[{kind}]", mix, _types(mix, floats), dict(
             FNP=fnp, WIDTH=width, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k, SPLIT_BF16=True), warps, stages
         columns, block_d, block_t, warps = hyper_connection.update_mix_tiles(tokens, n, False)
-        tiles = dict(N=n, FNP=fnp, WIDTH=width, COLUMNS=columns, BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BF16=True)
+        tiles = dict(N=n, FNP=fnp, WIDTH=width, COLUMNS=columns, BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BF16=True,
+                     PIECES=tokens > hyper_connection.DECODE_ROWS)
         yield f"hc_update_mix_partial[{kind}]", update_mix, _types(update_mix, floats), tiles, warps, stages
 
 

@@ -10,7 +10,8 @@ import torch
 from kernel_checks import assert_matches
 
 from deepinfer_core.platform.kernel_ops import KernelOps
-from deepinfer_kernels.hyper_connection import hc_collapse, hc_mix, hc_update, hc_update_mix
+from deepinfer_kernels import hyper_connection
+from deepinfer_kernels.hyper_connection import fn_pieces, hc_collapse, hc_mix, hc_update, hc_update_mix
 from deepinfer_kernels.rms_norm import rms_norm
 from deepinfer_nvidia.ops import TritonOps
 
@@ -114,6 +115,27 @@ def test_hc_update_mix_is_hc_update_then_hc_mix(dtype, t, d):
         assert_matches(out, ref, 1e-6)  # the partial sums' order alone: up to 3e-7 here
     for out, ref in zip((streams, *coefficients), KernelOps().hc_update_mix(*update, *mix)):
         assert_matches(out, ref, UPDATE_TOL[dtype])
+
+
+def test_fn_pieces_are_fn_in_three_bf16_parts():
+    """hi is fn rounded to bf16, and hi + mid + lo is fn exactly; the padded rows are zeros."""
+    fn = torch.randn(24, 1100, generator=torch.Generator().manual_seed(8)) * 0.1
+    hi, mid, lo = fn_pieces(fn, 32).float()
+    assert torch.equal(hi[:24], fn.to(torch.bfloat16).float())
+    assert torch.equal(hi[:24] + mid[:24] + lo[:24], fn)
+    assert not (hi[24:].any() or mid[24:].any() or lo[24:].any())
+
+
+def test_prefill_update_mix_takes_fn_pieces_with_the_same_bits(monkeypatch):
+    """bf16 streams at prefill sizes (70 rows) load fn's pieces split before the launch: through the interpreter,
+    the same results as the launch that splits fn in its K loop (made to here), with the same tiles."""
+    update, mix = _update_mix_args(9, 70, 4, 96, torch.bfloat16)
+    assert hyper_connection._fn_operands(mix[0], 32, 70, torch.bfloat16, False)[1].dtype == torch.bfloat16
+    with_pieces = hc_update_mix(*update, *mix)
+    monkeypatch.setattr(hyper_connection, "fn_pieces", lambda fn, fnp: pytest.fail("pieces split"))
+    monkeypatch.setattr(hyper_connection, "_fn_operands", lambda fn, *_: (fn.float(),) * 2)
+    for out, ref in zip(with_pieces, hc_update_mix(*update, *mix)):
+        assert torch.equal(out, ref)
 
 
 def test_hc_update_mix_rows_are_batch_invariant():

@@ -14,7 +14,16 @@ import triton.language as tl
 
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 
-__all__ = ["hc_collapse", "hc_head_weights", "hc_mix", "hc_update", "hc_update_mix", "tile_config", "update_mix_tiles"]
+__all__ = [
+    "DECODE_ROWS", "fn_pieces", "hc_collapse", "hc_head_weights", "hc_mix", "hc_update", "hc_update_mix", "tile_config",
+    "update_mix_tiles",
+]
+
+
+# Steps of up to this many rows take the decode-sized tiles (`tile_config`).
+DECODE_ROWS = 64
+# Columns of fn a program of `fn_pieces` splits.
+_PIECE_COLUMNS = 1024
 
 
 def tile_config(tokens: int, batch_invariant: bool) -> tuple[int, int, int, int]:
@@ -26,7 +35,7 @@ def tile_config(tokens: int, batch_invariant: bool) -> tuple[int, int, int, int]
     with 256-column chunks, 14.2 / 17.9 us with these."""
     if batch_invariant:
         return 1024, 64, 16, 4
-    if tokens <= 64:
+    if tokens <= DECODE_ROWS:
         return 128, 32, 16, 2
     return 1024, 64, 64, 4
 
@@ -56,9 +65,11 @@ def _hc_mix_partial_kernel(
     for k0 in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(fn_ptr + fn_rows[None, :] * K + ks[:, None], mask=(fn_rows < FN_ROWS)[None, :] & k_ok[:, None], other=0.0)
-        acc, squares = _mix_partial(x, w, acc, squares, SPLIT_BF16)
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        # fn split in the loop: `fn_pieces` loaded here (4 warps) gave sums that changed with the pipeline's stage
+        # count and from run to run (H100 / H200, BENCHMARKS.md), which `hc_update_mix`'s launch never showed
+        acc, squares = _mix_partial(x, fn_ptr, fn_ptr, fn_rows, FN_ROWS, ks, k_ok, K, acc, squares, SPLIT_BF16, False)
     _store_partials(part_ptr, chunk, T, rows, row_ok, acc, squares, FNP, WIDTH)
 
 
@@ -72,25 +83,75 @@ def _partial_tile(T, BLOCK_T: tl.constexpr, FNP: tl.constexpr):
 
 
 @triton.jit
-def _mix_partial(x, w, acc, squares, SPLIT_BF16: tl.constexpr):
-    """(acc + x @ w, squares + the rows' sums of x^2) in float32, x [BLOCK_T, BLOCK_K] in the streams' dtype,
-    w [BLOCK_K, FNP] float32 (zero past the flat row and past fn's rows)."""
+def _mix_partial(x, fn_ptr, pieces_ptr, fn_rows, FN_ROWS, ks, k_ok, K, acc, squares, SPLIT_BF16: tl.constexpr,
+                 PIECES: tl.constexpr):
+    """(acc + x @ w, squares + the rows' sums of x^2) in float32: x [BLOCK_T, BLOCK_K] in the streams' dtype, w fn's
+    [BLOCK_K, FNP] tile at columns ks of its rows of K (zero past them and past fn's rows); with PIECES its bf16
+    pieces from `fn_pieces`' planes at pieces_ptr instead of fn's float32."""
     if SPLIT_BF16:
         # bf16 streams meet fn as three bf16 pieces, hi + mid + lo = fn (each residual is exact in
         # float32): exact products, float32 sums, on bf16 tensor cores. 3xTF32 splits every element of
         # x instead: 0.13 of the copy bandwidth at 8,192 rows against 0.34 (BENCHMARKS.md).
-        hi = w.to(tl.bfloat16)
-        rest = w - hi.to(tl.float32)
-        mid = rest.to(tl.bfloat16)
-        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        if PIECES:
+            at = pieces_ptr + fn_rows[None, :] * K + ks[:, None]
+            plane = fn_rows.shape[0] * K
+            hi = tl.load(at, mask=k_ok[:, None], other=0.0)
+            mid = tl.load(at + plane, mask=k_ok[:, None], other=0.0)
+            lo = tl.load(at + 2 * plane, mask=k_ok[:, None], other=0.0)
+        else:
+            hi, mid, lo = _bf16_pieces(_fn_tile(fn_ptr, fn_rows, FN_ROWS, ks, k_ok, K))
         acc = tl.dot(x, hi, acc)
         acc = tl.dot(x, mid, acc)
         acc = tl.dot(x, lo, acc)
         x = x.to(tl.float32)
     else:
         x = x.to(tl.float32)
-        acc = tl.dot(x, w, acc, input_precision="tf32x3")
+        acc = tl.dot(x, _fn_tile(fn_ptr, fn_rows, FN_ROWS, ks, k_ok, K), acc, input_precision="tf32x3")
     return acc, squares + tl.sum(x * x, axis=1)
+
+
+@triton.jit
+def _fn_tile(fn_ptr, fn_rows, FN_ROWS, ks, k_ok, K):
+    """fn's float32 [BLOCK_K, FNP] tile: columns ks of its rows fn_rows (of K columns), zero past them and past
+    fn's FN_ROWS rows."""
+    return tl.load(fn_ptr + fn_rows[None, :] * K + ks[:, None], mask=(fn_rows < FN_ROWS)[None, :] & k_ok[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _bf16_pieces(w):
+    """float32 w as bf16 (hi, mid, lo), hi + mid + lo = w exactly (each residual is exact in float32)."""
+    hi = w.to(tl.bfloat16)
+    rest = w - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    return hi, mid, (rest - mid.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _fn_pieces_kernel(fn_ptr, out_ptr, FN_ROWS, K, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """`fn_pieces`: a program per padded row of fn and BLOCK columns."""
+    wait_for_previous_grid(PDL)
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < K
+    hi, mid, lo = _bf16_pieces(tl.load(fn_ptr + row * K + cols, mask=ok & (row < FN_ROWS), other=0.0))
+    at = out_ptr + row * K + cols
+    plane = tl.num_programs(0) * K
+    tl.store(at, hi, mask=ok)
+    tl.store(at + plane, mid, mask=ok)
+    tl.store(at + 2 * plane, lo, mask=ok)
+
+
+def fn_pieces(fn: torch.Tensor, fnp: int) -> torch.Tensor:
+    """fn [R, K] float32 as its three bf16 pieces (`_bf16_pieces`), planes [3, fnp, K] (rows past R zero), for
+    `hc_update_mix`'s partial launch to load instead of splitting fn in every K step: V4 widths, 8,192 tokens, the
+    same bits, the op 377 -> 346 us on an H100 (BENCHMARKS.md)."""
+    rows, k = fn.shape
+    out = torch.empty(3, fnp, k, dtype=torch.bfloat16, device=fn.device)
+    _fn_pieces_kernel[(fnp, triton.cdiv(k, _PIECE_COLUMNS))](
+        fn, out, rows, k, BLOCK=_PIECE_COLUMNS, **launch_options(fn.device)
+    )
+    return out
 
 
 @triton.jit
@@ -196,6 +257,19 @@ def _mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, batch_invar
             SPLIT_BF16=x.dtype == torch.bfloat16, num_warps=warps, **launch_options(x.device),
         )
     return _coefficients(parts, n, d, base, scale, norm_eps, hc_eps, sinkhorn_iters, pre_only)
+
+
+def _fn_operands(
+    fn: torch.Tensor, fnp: int, tokens: int, dtype: torch.dtype, batch_invariant: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`hc_update_mix`'s (fn as float32, its `fn_pieces` or fn itself when the launch splits fn in its K loop):
+    bf16 streams in prefill-sized steps take the pieces; decode-sized ones (`DECODE_ROWS`: the pieces' launch would
+    add a boundary to a latency-bound step) and batch-invariant mode (whose one tile serves every batch, so a row
+    meets the same instructions in each) split in the loop."""
+    fn = fn.float().contiguous()
+    if dtype != torch.bfloat16 or batch_invariant or tokens <= DECODE_ROWS:
+        return fn, fn
+    return fn, fn_pieces(fn, fnp)
 
 
 def _partials_width(fn: torch.Tensor) -> tuple[int, int]:
@@ -327,9 +401,9 @@ def _update_stream(
 
 @triton.jit
 def _hc_update_mix_partial_kernel(
-    o_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr, T, D, FN_ROWS,
+    o_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, pieces_ptr, part_ptr, T, D, FN_ROWS,
     N: tl.constexpr, FNP: tl.constexpr, WIDTH: tl.constexpr, COLUMNS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BF16: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BF16: tl.constexpr, PIECES: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_grid(PDL)
     # `_hc_update_kernel`'s new streams (V4's `hc_post`: each term rounded) for columns [chunk * COLUMNS,
@@ -347,9 +421,8 @@ def _hc_update_mix_partial_kernel(
         # (255 registers and spills at the prefill tile, `scripts/compile_kernels.py`)
         for j in range(N):
             x = _update_stream(block_out, s_ptr, post_ptr, comb_ptr, out_ptr, row_col, cols[None, :], ok, D, j, N, True)
-            w = tl.load(fn_ptr + fn_rows[None, :] * (N * D) + (j * D + cols)[:, None],
-                        mask=(fn_rows < FN_ROWS)[None, :] & col_ok[:, None], other=0.0)
-            acc, squares = _mix_partial(x, w, acc, squares, SPLIT_BF16)
+            acc, squares = _mix_partial(x, fn_ptr, pieces_ptr, fn_rows, FN_ROWS, j * D + cols, col_ok, N * D, acc,
+                                        squares, SPLIT_BF16, PIECES)
     _store_partials(part_ptr, chunk, T, rows, row_ok, acc, squares, FNP, WIDTH)
 
 
@@ -393,10 +466,11 @@ def hc_update_mix(
     columns, block_d, block_t, warps = update_mix_tiles(t, n, batch_invariant)
     parts = torch.empty(triton.cdiv(d, columns), t, width, dtype=torch.float32, device=streams.device)
     if t:
+        fn, pieces = _fn_operands(fn, fnp, t, out.dtype, batch_invariant)
         _hc_update_mix_partial_kernel[(triton.cdiv(t, block_t), parts.shape[0])](
             block_out.contiguous(), streams, post.float().contiguous(), comb.float().contiguous(), out,
-            fn.float().contiguous(), parts, t, d, fn.shape[0], N=n, FNP=fnp, WIDTH=width,
+            fn, pieces, parts, t, d, fn.shape[0], N=n, FNP=fnp, WIDTH=width,
             COLUMNS=columns, BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BF16=out.dtype == torch.bfloat16,
-            num_warps=warps, **launch_options(out.device),
+            PIECES=pieces is not fn, num_warps=warps, **launch_options(out.device),
         )
     return out, *_coefficients(parts, n, d, base, scale, norm_eps, hc_eps, sinkhorn_iters, pre_only=False)
