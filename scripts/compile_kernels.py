@@ -191,7 +191,7 @@ def _hc_variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
             FNP=fnp, WIDTH=width, CHUNK=chunk, BLOCK_T=block_t, BLOCK_K=block_k, SPLIT_BF16=True), warps, stages
         columns, block_d, block_t, warps = hyper_connection.update_mix_tiles(tokens, n, False)
         tiles = dict(N=n, FNP=fnp, WIDTH=width, COLUMNS=columns, BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BF16=True,
-                     PIECES=tokens > hyper_connection.DECODE_ROWS)
+                     PIECES=hyper_connection.takes_fn_pieces(tokens, torch.bfloat16, False))
         yield f"hc_update_mix_partial[{kind}]", update_mix, _types(update_mix, floats), tiles, warps, stages
 
 

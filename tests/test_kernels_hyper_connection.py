@@ -130,10 +130,10 @@ def test_prefill_update_mix_takes_fn_pieces_with_the_same_bits(monkeypatch):
     """bf16 streams at prefill sizes (70 rows) load fn's pieces split before the launch: through the interpreter,
     the same results as the launch that splits fn in its K loop (made to here), with the same tiles."""
     update, mix = _update_mix_args(9, 70, 4, 96, torch.bfloat16)
-    assert hyper_connection._fn_operands(mix[0], 32, 70, torch.bfloat16, False)[1].dtype == torch.bfloat16
+    assert hyper_connection.takes_fn_pieces(70, torch.bfloat16, False)
     with_pieces = hc_update_mix(*update, *mix)
     monkeypatch.setattr(hyper_connection, "fn_pieces", lambda fn, fnp: pytest.fail("pieces split"))
-    monkeypatch.setattr(hyper_connection, "_fn_operands", lambda fn, *_: (fn.float(),) * 2)
+    monkeypatch.setattr(hyper_connection, "takes_fn_pieces", lambda *_: False)
     for out, ref in zip(with_pieces, hc_update_mix(*update, *mix)):
         assert torch.equal(out, ref)
 

@@ -15,13 +15,13 @@ import triton.language as tl
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 
 __all__ = [
-    "DECODE_ROWS", "fn_pieces", "hc_collapse", "hc_head_weights", "hc_mix", "hc_update", "hc_update_mix", "tile_config",
-    "update_mix_tiles",
+    "fn_pieces", "hc_collapse", "hc_head_weights", "hc_mix", "hc_update", "hc_update_mix", "takes_fn_pieces",
+    "tile_config", "update_mix_tiles",
 ]
 
 
 # Steps of up to this many rows take the decode-sized tiles (`tile_config`).
-DECODE_ROWS = 64
+_DECODE_ROWS = 64
 # Columns of fn a program of `fn_pieces` splits.
 _PIECE_COLUMNS = 1024
 
@@ -35,7 +35,7 @@ def tile_config(tokens: int, batch_invariant: bool) -> tuple[int, int, int, int]
     with 256-column chunks, 14.2 / 17.9 us with these."""
     if batch_invariant:
         return 1024, 64, 16, 4
-    if tokens <= DECODE_ROWS:
+    if tokens <= _DECODE_ROWS:
         return 128, 32, 16, 2
     return 1024, 64, 64, 4
 
@@ -259,17 +259,12 @@ def _mix(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, batch_invar
     return _coefficients(parts, n, d, base, scale, norm_eps, hc_eps, sinkhorn_iters, pre_only)
 
 
-def _fn_operands(
-    fn: torch.Tensor, fnp: int, tokens: int, dtype: torch.dtype, batch_invariant: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`hc_update_mix`'s (fn as float32, its `fn_pieces` or fn itself when the launch splits fn in its K loop):
-    bf16 streams in prefill-sized steps take the pieces; decode-sized ones (`DECODE_ROWS`: the pieces' launch would
-    add a boundary to a latency-bound step) and batch-invariant mode (whose one tile serves every batch, so a row
-    meets the same instructions in each) split in the loop."""
-    fn = fn.float().contiguous()
-    if dtype != torch.bfloat16 or batch_invariant or tokens <= DECODE_ROWS:
-        return fn, fn
-    return fn, fn_pieces(fn, fnp)
+def takes_fn_pieces(tokens: int, dtype: torch.dtype, batch_invariant: bool) -> bool:
+    """Whether `hc_update_mix`'s partial launch loads fn's `fn_pieces` rather than splitting fn in its K loop: bf16
+    streams in prefill-sized steps do; decode-sized ones (the pieces' launch would add a boundary to a latency-bound
+    step) and batch-invariant mode (whose one tile serves every batch, so a row meets the same instructions in each)
+    do not."""
+    return dtype == torch.bfloat16 and not batch_invariant and tokens > _DECODE_ROWS
 
 
 def _partials_width(fn: torch.Tensor) -> tuple[int, int]:
@@ -466,11 +461,12 @@ def hc_update_mix(
     columns, block_d, block_t, warps = update_mix_tiles(t, n, batch_invariant)
     parts = torch.empty(triton.cdiv(d, columns), t, width, dtype=torch.float32, device=streams.device)
     if t:
-        fn, pieces = _fn_operands(fn, fnp, t, out.dtype, batch_invariant)
+        fn = fn.float().contiguous()
+        pieces = takes_fn_pieces(t, out.dtype, batch_invariant)
         _hc_update_mix_partial_kernel[(triton.cdiv(t, block_t), parts.shape[0])](
             block_out.contiguous(), streams, post.float().contiguous(), comb.float().contiguous(), out,
-            fn, pieces, parts, t, d, fn.shape[0], N=n, FNP=fnp, WIDTH=width,
+            fn, fn_pieces(fn, fnp) if pieces else fn, parts, t, d, fn.shape[0], N=n, FNP=fnp, WIDTH=width,
             COLUMNS=columns, BLOCK_T=block_t, BLOCK_D=block_d, SPLIT_BF16=out.dtype == torch.bfloat16,
-            PIECES=pieces is not fn, num_warps=warps, **launch_options(out.device),
+            PIECES=pieces, num_warps=warps, **launch_options(out.device),
         )
     return out, *_coefficients(parts, n, d, base, scale, norm_eps, hc_eps, sinkhorn_iters, pre_only=False)
