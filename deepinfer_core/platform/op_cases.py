@@ -485,9 +485,13 @@ OP_CASES: list[OpCase] = [
         "fused_moe", "fp4_experts_fp8_shared", lambda g, dt: _moe_inputs(g, dt, "fp4", "fp8"),
         rtol=_WIDE_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 6e-2},
     ),
-    OpCase(  # bf16: a SwiGLU value one bf16 ulp apart (exp differs) can round to the next e4m3 code, 1/16 away
+    # A SwiGLU value a rounding apart can land on the next e4m3 code, 1/16 away, before w2: in bf16 one ulp of exp
+    # does it; in float32 Hopper's fp8 wgmma (tiles of 64+ rows: prefill sizes, batch-invariant mode) does, as it
+    # adds a K block's products below float32 precision (H100, this case at 64-row tiles: 86-90% of the outputs off
+    # the reference by more than 1e-5, up to 3.5e-2; at 16-row tiles, mma.sync, none; BENCHMARKS.md, 2026-12-07).
+    OpCase(
         "fused_moe", "fp8_experts_fp8_activations", lambda g, dt: _moe_inputs(g, dt, "fp8", "fp8"),
-        rtol=_WIDE_RTOL, atol={torch.float32: 1e-4, torch.bfloat16: 1e-1}, modes={"fp8_activations": True},
+        rtol=_WIDE_RTOL, atol={torch.float32: 1e-1, torch.bfloat16: 1e-1}, modes={"fp8_activations": True},
     ),
     OpCase(  # a decode token: the nvidia backend's one-launch plan, and fp4 weights in its decode tiles
         "fused_moe", "one_token_fp4_experts_fp8_shared", lambda g, dt: _moe_inputs(g, dt, "fp4", "fp8", tokens=1),

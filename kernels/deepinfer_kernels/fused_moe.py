@@ -671,7 +671,9 @@ def moe_routed(
     )
     row_entry, blocks = moe_plan(ids, experts.local_ids, experts.num_held, block_m, fused)
     x = x.contiguous()
-    ieee = x.dtype == torch.float32 and not a8  # fp8 codes meet on fp8 MMAs whatever x.dtype
+    # fp8 codes meet on fp8 MMAs whatever x.dtype; in tiles of 64+ rows (wgmma) Hopper adds their products below
+    # float32 precision, so float32 W8A8 is not the float32 reference's there (op_cases' fp8_experts_fp8_activations)
+    ieee = x.dtype == torch.float32 and not a8
     w1, _ = as_kernel_weight(experts.w1, None)
     w3, _ = as_kernel_weight(experts.w3, None)
     w2, _ = as_kernel_weight(experts.w2, None)
