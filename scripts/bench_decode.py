@@ -38,7 +38,9 @@ from bench_model import (  # noqa: E402
 )
 from bench_prefill import _ints  # noqa: E402
 from bench_speculative import run_speculative  # noqa: E402
-from kernel_bench_common import cell, collect_rows, finish_plot, new_plot, recorded, sweep_ceilings, time_ms  # noqa: E402
+from kernel_bench_common import (  # noqa: E402
+    cell, collect_rows, finish_plot, new_plot, recorded, sweep_ceilings, time_ms, transformers_line,
+)
 
 
 def main() -> None:
@@ -166,7 +168,7 @@ def _timed(fn, device) -> float:
 def _report(rows, ceilings, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     hf = {r["batch"]: r["ms"] for r in rows if r["impl"] == "transformers" and "ms" in r}
-    lines = [f"ceilings (measured): {ceilings.describe()}",
+    lines = [f"ceilings (measured): {ceilings.describe()}", *([transformers_line()] if hf else []),
              f"{'impl':<13}{'weights':<8}{'batch':>6}{'ctx':>6}{'step_ms':>9}{'steps/s':>9}{'tok/s':>9}{'tok/s/req':>10}"
              f"{'experts':>8}{'GB/step':>8}{'floor_ms':>9}{'x_floor':>10}{'unif_ms':>8}{'GFLOP/tok':>10}{'%mm':>7}{'hf_ms':>8}{'x_hf':>6}{'eager_ms':>9}"
              f"{'graph_diff':>11}  error"]

@@ -31,7 +31,9 @@ from bench_model import (  # noqa: E402
     attention_flops, build_deepinfer, build_transformers, counting_experts, flash_slice_raw, fresh_ops, random_cache,
     setup, step_batch, use_ops, weight_bytes, weight_flops_per_token,
 )
-from kernel_bench_common import cell, collect_rows, finish_plot, new_plot, recorded, sweep_ceilings, time_ms  # noqa: E402
+from kernel_bench_common import (  # noqa: E402
+    cell, collect_rows, finish_plot, new_plot, recorded, sweep_ceilings, time_ms, transformers_line,
+)
 
 
 def _ints(text: str) -> list[int]:
@@ -161,7 +163,7 @@ def write_report(rows, ceilings, out: Path, name: str = "prefill") -> None:
     """out/<name>.txt, .json and .png: the table, the rows, the plot."""
     out.mkdir(parents=True, exist_ok=True)
     hf = {r["tokens"]: r["ms"] for r in rows if r["impl"] == "transformers" and "ms" in r}
-    lines = [f"ceilings (measured): {ceilings.describe()}",
+    lines = [f"ceilings (measured): {ceilings.describe()}", *([transformers_line()] if hf else []),
              f"{'impl':<13}{'weights':<11}{'tokens':>7}{'seqs':>5}{'step_ms':>10}{'tok/s':>10}{'GFLOP/tok':>10}"
              f"{'TFLOP/s':>9}{'%mm':>6}{'GB':>7}{'%copy':>6}{'hf_ms':>9}{'x_hf':>7}{'rel_err':>9}{'tok_med':>9}{'tok_max':>9}{'>0.1':>6}  error"]
     for r in rows:

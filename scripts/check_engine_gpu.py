@@ -24,6 +24,7 @@ import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.tools.tiny_checkpoint import make_tiny_checkpoint
+from kernel_bench_common import transformers_release
 
 
 def transformers_greedy(model, prompt: list[int], n: int, device: str) -> tuple[list[int], list[float]]:
@@ -81,6 +82,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--accelerator", default="nvidia", help="cpu runs the same check as a smoke test")
     args = parser.parse_args()
+    version, wanted, meets = transformers_release()
+    if not meets:
+        raise SystemExit(f"check_engine_gpu: transformers {version} is installed; the reference this check compares "
+                         f"against is deepinfer's {wanted}")
     args.out.mkdir(parents=True, exist_ok=True)
     from transformers import DeepseekV4ForCausalLM
 

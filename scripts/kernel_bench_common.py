@@ -1,4 +1,5 @@
-"""Shared by the kernel check and the benchmarks: measured ceilings, timing, output poisoning.
+"""Shared by the kernel check and the benchmarks: measured ceilings, timing, output poisoning, and which
+transformers ran beside DeepInfer.
 
 Ceilings are measured on the device the script runs on, never taken from a datasheet: a large bf16
 (and, where torch can, fp8) matrix product and a large device-to-device copy (bytes read + written).
@@ -20,7 +21,8 @@ import torch
 
 __all__ = [
     "Ceilings", "cell", "collect_rows", "finish_plot", "free_memory", "graph_time_ms", "measure_ceilings",
-    "poison_allocator", "recorded", "sweep_ceilings", "time_ms", "write_table",
+    "poison_allocator", "recorded", "sweep_ceilings", "time_ms", "transformers_line", "transformers_release",
+    "write_table",
 ]
 
 
@@ -33,6 +35,26 @@ class Ceilings:
     def describe(self) -> str:
         fp8 = f"{self.fp8_tflops:.0f}" if self.fp8_tflops else "n/a"
         return f"bf16 matmul {self.bf16_tflops:.0f} TFLOP/s, fp8 matmul {fp8} TFLOP/s, copy {self.copy_gbps:.0f} GB/s"
+
+
+def transformers_release(version: str | None = None) -> tuple[str, str, bool]:
+    """(transformers' version, the installed one unless given; deepinfer's requirement on it; whether it meets it).
+    transformers is the reference for DeepSeek-V4 only from the required release: older ones' DeepSeek-V4 differs
+    (5.17's stopped on a float / bf16 dtype mismatch inside its own attention), so a comparison names the release."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    wanted = next(r for r in map(Requirement, metadata.requires("deepinfer") or ()) if r.name == "transformers")
+    version = version or metadata.version("transformers")
+    return version, str(wanted), wanted.specifier.contains(version, prereleases=True)
+
+
+def transformers_line(version: str | None = None) -> str:
+    """A report's line naming the transformers release that ran side by side, flagged when below the requirement."""
+    version, wanted, meets = transformers_release(version)
+    below = "" if meets else f" (below deepinfer's {wanted}: not its reference)"
+    return f"side by side: transformers {version}{below}"
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, rep_ms: int = 100) -> float:
