@@ -83,6 +83,7 @@ def _gate_up_sums(
     w_row=0, TMA: tl.constexpr = False,
 ):
     """(w1 x, w3 x) [BLOCK_M, BLOCK_N] in float32 for one expert's weights in FORMAT (w_row, TMA: `_weight_tile`)."""
+    tl.static_assert(FORMAT == 1 or not A8, "fp8 activations meet fp8 weights of whole-block scales")
     compute = x_ptr.dtype.element_ty  # fp8 codes with A8 (xs_ptr: their per-token, per-K-tile scales)
     WEIGHT_ROWS: tl.constexpr = _weights_on_tall_side(FORMAT, BLOCK_M)
     gate = _dot_zeros(BLOCK_M, BLOCK_N, WEIGHT_ROWS)
@@ -97,18 +98,20 @@ def _gate_up_sums(
                               SCALE_BN, SCALE_BK, TMA)
         u_tile = _weight_tile(w3, w_row, s3, offs_n, k0, N, K, stride_wn, stride_sn, FORMAT, compute, BLOCK_K,
                               SCALE_BN, SCALE_BK, TMA)
-        g_part = _tile_dot(x, g_tile, IEEE, WEIGHT_ROWS)
-        u_part = _tile_dot(x, u_tile, IEEE, WEIGHT_ROWS)
-        if A8:  # (fp8 of whole-block scales: never WEIGHT_ROWS)
-            x_scale = tl.load(xs_ptr + token * stride_xsm + k0 // BLOCK_K)[:, None]
-            g_part = g_part * x_scale
-            u_part = u_part * x_scale
         if FORMAT == 1:
+            # Powers of two: the scales multiply first (exact), then one multiply-add per element, each product
+            # promoted as soon as it is made (both products' accumulators live at once spilled past 255 registers)
             scale_at = (pid_n * BLOCK_N // SCALE_BN) * stride_sn + k0 // SCALE_BK
-            g_part = g_part * e8m0_to_float(tl.load(s1 + scale_at))
-            u_part = u_part * e8m0_to_float(tl.load(s3 + scale_at))
-        gate += g_part
-        up += u_part
+            g_scale = e8m0_to_float(tl.load(s1 + scale_at))
+            u_scale = e8m0_to_float(tl.load(s3 + scale_at))
+            if A8:  # (fp8 of whole-block scales: never WEIGHT_ROWS)
+                x_scale = tl.load(xs_ptr + token * stride_xsm + k0 // BLOCK_K)[:, None]
+                g_scale, u_scale = x_scale * g_scale, x_scale * u_scale
+            gate += _tile_dot(x, g_tile, IEEE, WEIGHT_ROWS) * g_scale
+            up += _tile_dot(x, u_tile, IEEE, WEIGHT_ROWS) * u_scale
+        else:
+            gate += _tile_dot(x, g_tile, IEEE, WEIGHT_ROWS)
+            up += _tile_dot(x, u_tile, IEEE, WEIGHT_ROWS)
     if WEIGHT_ROWS:
         gate, up = tl.trans(gate), tl.trans(up)
     return gate, up
@@ -314,8 +317,7 @@ def _down_sums(
                          SCALE_BK, TMA)
         part = _tile_dot(a, w, IEEE, WEIGHT_ROWS)
         if FORMAT == 1:
-            # Powers of two: the scales multiply first (exact), then one multiply-add per element. (Done so in
-            # `_gate_up_kernel`, at 255 registers, it spilled in the K loop and measured slower.)
+            # Powers of two: the scales multiply first (exact), then one multiply-add per element.
             scale = e8m0_to_float(tl.load(s2 + (pid_n * BLOCK_N // SCALE_BN) * stride_sn + k0 // SCALE_BK))
             if A8:
                 a_scale = tl.load(as_ptr + offs_m.to(tl.int64) * stride_asm + k0 // BLOCK_K)
