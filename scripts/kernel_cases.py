@@ -92,7 +92,8 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
                    partial(_engram_gate, ops, reference, tokens, 96 if tiny else 5120))
     for rows in ([1, 9] if tiny else [1, 64, 8192]):  # V4.1's Engram hash ids: the release's 2 layers of 4-grams
         yield Case(f"ngram_hash T={rows} N=4 L=2 H=8", partial(_ngram_hash, ops, reference, rows))
-    for rows in ([1, 5] if tiny else [1, 16, 64]):  # V4.1's decode picks: one row of scores a sequence
+    # V4.1's decode picks (one row of scores a sequence), and a prefill step's (the selection kernel)
+    for rows in ([1, 5] if tiny else [1, 16, 64, 8192]):
         yield Case(f"top_entries T={rows} n={40 if tiny else 2048}",
                    partial(_top_entries, ops, reference, rows, 40 if tiny else 2048, 13 if tiny else 512))
     for seqs in ([1, 3] if tiny else [1, 64]):  # V4.1's decode: where the picks lie, their tables, cache writes

@@ -15,6 +15,7 @@ from kernel_checks import assert_matches
 
 from deepinfer_core.platform.kernel_ops import KernelOps
 from deepinfer_core.platform.op_cases import OP_CASES
+from deepinfer_kernels import top_entries as top_entries_module
 from deepinfer_kernels.cache_writes import store_window
 from deepinfer_kernels.kv_codes import fp4_block_dequantize, fp4_block_quantize, fp8_block_dequantize, fp8_block_quantize
 from deepinfer_kernels.indexer import indexer_topk
@@ -153,16 +154,41 @@ def test_gather_rows_is_exact(name):
 
 @pytest.mark.parametrize("ranked", [True, False])
 def test_top_entries_match_the_stable_sort(monkeypatch, ranked):
-    """`KernelOps.top_entries` on the NVIDIA backend, ranks in one launch or (past the comparison bound) a stable
-    sort, against the reference's: equal ids, ties to the lowest entry, -1 for -inf, narrower k than the row."""
-    from deepinfer_kernels import indexer
-
+    """`KernelOps.top_entries` on the NVIDIA backend, ranks in one launch or (past the comparison bound) the
+    selection, against the reference's: equal ids, ties to the lowest entry, -1 for -inf, narrower k than the row."""
     (scores, k), _ = _case_inputs("top_entries", "ties_and_unseen", torch.float32)
     if not ranked:
-        monkeypatch.setattr(indexer, "_RANK_COMPARISONS", 0)
-    got = indexer.top_entries(scores, k)
+        monkeypatch.setattr(top_entries_module, "_RANK_COMPARISONS", 0)
+    got = top_entries_module.top_entries(scores, k)
     assert torch.equal(got, KernelOps().top_entries(scores, k))
     assert (got[3] == -1).all() and (got[0] >= 0).any()
+
+
+def _hard_scores(rows: int, width: int, gen: torch.Generator) -> torch.Tensor:
+    """Scores that a key order could get wrong: few distinct values (ties across the k-th), +-0.0, negatives,
+    subnormals, +-inf, NaN, whole rows unseen."""
+    values = torch.tensor([0.0, -0.0, 1.5, -1.5, 3e-39, -3e-39, 7.0, -2.0, float("inf"), float("-inf"),
+                           float("nan"), 1e30, -1e30])
+    scores = values[torch.randint(0, len(values), (rows, width), generator=gen)]
+    scores[0] = torch.randn(width, generator=gen)  # distinct values
+    scores[1] = float("-inf")
+    scores[2, : width // 2] = float("-inf")
+    scores[3] = torch.randint(0, 3, (width,), generator=gen).float()  # long runs of ties
+    return scores
+
+
+@pytest.mark.parametrize("width,k,block", [(70, 13, 16), (70, 64, 16), (40, 64, 16), (100, 32, 128), (33, 33, 8)])
+def test_top_entries_selection_is_the_stable_sort(monkeypatch, width, k, block):
+    """The selection (a program a row, past the rank kernel's bound) equals the reference's stable sort exactly:
+    rows streamed in blocks past the resident one, k not a power of two, rows narrower than k, ties at the k-th
+    score, -0.0 against +0.0, subnormals, NaN (first in torch's order, -1 as not above -inf) and unseen rows."""
+    monkeypatch.setattr(top_entries_module, "_RANK_COMPARISONS", 0)
+    monkeypatch.setattr(top_entries_module, "_SELECT_MAX_BLOCK", block)
+    scores = _hard_scores(9, width, torch.Generator().manual_seed(width * k))
+    got = top_entries_module.top_entries(scores, k)
+    reference = KernelOps().top_entries(scores, min(k, width))
+    assert torch.equal(got[:, : min(k, width)], reference)
+    assert (got[:, width:] == -1).all() and (got[1] == -1).all()
 
 
 @pytest.mark.parametrize("width", [24, 13, 2100])  # 32-bit words, bytes (13 bf16 = 26), two column programs

@@ -11,13 +11,9 @@ program meets all heads of its query with an entry tile in one product ([heads, 
 then sums over the heads, where the tiled kernel loops over the heads one product each (at batch 1
 that loop was the whole cost: 26 us a layer at 1,024 entries).
 
-The top-k keeps the reference's order: descending score, ties broken towards the lowest entry (a
-stable sort). Steps of few rows and entries (decode) rank instead of sorting: an entry's place is the
-number of entries ahead of it, counted against the whole row, and entries placed inside the top-k
-write themselves there. One launch of many programs, where torch's sort and its selects took 12 and
-one program a row. A bitonic top-k in Triton (`tl.topk` on 64-bit keys) took 20-45 us a row.
-Larger steps take torch's sort: unique 64-bit keys (score bits, then the entry) through torch's top-k or its
-unstable sort took 3.0x / 2.6x its time (H100, 8,192 x 2,048 scores: 1,741 / 1,493 against 573 us).
+The top-k keeps the reference's order: descending score, ties broken towards the lowest entry
+(`top_entries`). Unique 64-bit keys (score bits, then the entry) through torch's top-k or its unstable sort took
+3.0x / 2.6x the time of torch's stable sort (H100, 8,192 x 2,048 scores: 1,741 / 1,493 against 573 us).
 """
 
 from __future__ import annotations
@@ -29,18 +25,12 @@ import triton.language as tl
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_kernels.dependent_launch import launch_options, wait_for_previous_grid
 from deepinfer_kernels.step_layout import sequence_end
+from deepinfer_kernels.top_entries import top_entries
 
-__all__ = ["indexer_topk", "indexer_supported", "tile_config", "top_entries"]
+__all__ = ["indexer_topk", "indexer_supported", "tile_config"]
 
 # Entries a tile of the decode score kernel.
 _DECODE_BLOCK_W = 64
-# The rank kernel compares every entry of a row with every other. On an H200 (a graph replay, against
-# torch's sort path): 5 / 10 / 31 us against 29 / 34 / 35 at 1 / 16 / 64 rows of 1,056 entries (a 4K
-# context at ratio 4), 26 against 59 at one row of 8,200, but 100 against 37 at 64 rows of 2,112. Steps
-# of up to this many comparisons take it, larger ones the sort. (Entries ranked a program, compared an
-# iteration: the best of seven tiles.)
-_RANK_COMPARISONS = 1 << 27
-_RANK_BLOCK_E, _RANK_BLOCK_C = 16, 256
 
 
 def tile_config(batch_invariant: bool) -> tuple[int, int]:
@@ -136,27 +126,6 @@ def _decode_scores_kernel(
         tl.store(out_ptrs, tl.full([BLOCK_W], float("-inf"), tl.float32), mask=w < stride_out)
 
 
-@triton.jit
-def _rank_kernel(
-    scores_ptr, out_ptr, width, topk, stride_scores, stride_out,
-    BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
-):
-    wait_for_previous_grid(PDL)
-    # An entry's place in the reference's order (score descending, ties to the lowest entry) is the count
-    # of entries before it; those that land inside the top-k write their id there (-1 for -inf scores).
-    row = tl.program_id(0).to(tl.int64)
-    mine = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    score = tl.load(scores_ptr + row * stride_scores + mine, mask=mine < width, other=float("-inf"))
-    before = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c0 in range(0, width, BLOCK_C):
-        other = c0 + tl.arange(0, BLOCK_C)
-        s = tl.load(scores_ptr + row * stride_scores + other, mask=other < width, other=float("-inf"))
-        ahead = (s[None, :] > score[:, None]) | ((s[None, :] == score[:, None]) & (other[None, :] < mine[:, None]))
-        before += tl.sum(ahead.to(tl.int32), axis=1)
-    picked = tl.where(score > float("-inf"), mine.to(tl.int64), -1)
-    tl.store(out_ptr + row * stride_out + before, picked, mask=(mine < width) & (before < topk))
-
-
 def indexer_supported(q: torch.Tensor, index_keys: torch.Tensor) -> bool:
     di = q.shape[-1]
     return di >= 16 and di & (di - 1) == 0 and index_keys.dtype == q.dtype and q.dtype in (torch.bfloat16, torch.float32)
@@ -212,29 +181,3 @@ def indexer_topk(
             **launch_options(q.device),
         )
     return top_entries(scores, topk)
-
-
-def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """`KernelOps.top_entries`: int64 [T, k], each row's entries of the k highest scores by descending score, ties
-    to the lowest entry, -1 for a -inf score (and past the row's width). Every entry's rank in one launch while
-    T x width^2 comparisons stay small (a decode step), else a stable sort."""
-    t, width = scores.shape
-    # Both paths write every slot below the width (-1 for a -inf score): only a row narrower than k needs its
-    # tail filled first, a launch saved on every other step.
-    if width < k:
-        out = torch.full((t, k), -1, dtype=torch.long, device=scores.device)
-    else:
-        out = torch.empty((t, k), dtype=torch.long, device=scores.device)
-    if t == 0 or width == 0:
-        return out
-    scores = scores.float().contiguous()  # already so in the models: no copy
-    if t * width * width <= _RANK_COMPARISONS:
-        _rank_kernel[(t, triton.cdiv(width, _RANK_BLOCK_E))](
-            scores, out, width, k, scores.stride(0), out.stride(0), BLOCK_E=_RANK_BLOCK_E, BLOCK_C=_RANK_BLOCK_C,
-            **launch_options(scores.device),
-        )
-        return out
-    n = min(k, width)
-    ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
-    out[:, :n] = torch.where(ranked[:, :n] > float("-inf"), order[:, :n], -1)
-    return out

@@ -71,7 +71,7 @@ class TritonOps(KernelOps):
         from deepinfer_kernels import (
             activation_quant, cache_writes, compress_kv, engram_gate, engram_hash, fused_moe, hyper_connection, indexer,
             indexer_scores, kv_codes, linear, paging, rms_norm, rope, routing, row_gather, sparse_attention,
-            weight_dequant,
+            top_entries, weight_dequant,
         )
 
         self._rms_norm = rms_norm.rms_norm
@@ -105,7 +105,7 @@ class TritonOps(KernelOps):
         self._rope = rope.rope
         self._rope_supported = rope.rope_supported
         self._indexer_topk = indexer.indexer_topk
-        self._top_entries = indexer.top_entries
+        self._top_entries = top_entries.top_entries
         self._engram_gate = engram_gate.engram_gate
         self._ngram_hash = engram_hash.ngram_hash
         self._indexer_supported = indexer.indexer_supported
