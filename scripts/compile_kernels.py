@@ -171,13 +171,13 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
     yield "latent_norms", kernel, _types(kernel, {"q_w_ptr": "*fp32", "kv_w_ptr": "*fp32", "pos_ptr": "*i64",
                                                   "freq_ptr": "*fp32"}), \
         dict(HALF=32, BLOCK_Q=1024, BLOCK_KV=512), 4, 1
-    # the indexer's top-k of a prefill step (`top_entries`): rows of 2,048 / 8,192 entries held whole (4 warps),
-    # longer ones streamed (8 warps), k 512 (V4-Flash)
+    # the indexer's top-k of a prefill step (`top_entries`): rows of 2,048 / 8,192 entries held whole, longer ones
+    # streamed (`select_tiles`), k 512 (V4-Flash)
     kernel = top_entries._select_kernel
-    for width, warps in ((2048, 4), (8192, 4), (16384, 8)):
+    for width in (2048, 8192, 16384):
+        block_w, warps = top_entries.select_tiles(width)
         yield (f"top_entries_select[{width} entries]", kernel,
-               _types(kernel, {"scores_ptr": "*fp32", "out_ptr": "*i64"}),
-               dict(BLOCK_W=min(width, top_entries._SELECT_MAX_BLOCK), BLOCK_K=512), warps, 1)
+               _types(kernel, {"scores_ptr": "*fp32", "out_ptr": "*i64"}), dict(BLOCK_W=block_w, BLOCK_K=512), warps, 1)
     yield from _hc_variants()
 
 
