@@ -4,6 +4,12 @@ Every op of the backend's ops object is wrapped in a profiler range named `op:<n
 shows device time per op (nested ops count in both) beside the top kernels, and the step's wall time
 beside its summed kernel time (the gap is host overhead: launches, Python, synchronisation).
 
+On a GPU an op can stand in the table twice: as its range on the GPU timeline (host ms 0; device ms the span from its
+first kernel's start to its last's end, so in an eager step the host's gaps between the op's launches count in), and
+as its host range (host ms; device ms only of the kernels attributed to it: cuBLAS's and torch's, while Triton's
+launches were not, in every run so far). A kernel's own time is in the kernel table; the graph replay has no gaps.
+H100, fp4 decode at batch 1, eager: `fused_moe` 395 us a call as a GPU range, its two kernels 43 + 23 us.
+
     python3 scripts/profile_step.py --out $OUT            # on the GPU
     python3 scripts/profile_step.py --tiny --out /tmp/p   # toy widths, Triton interpreter, CPU
 """
