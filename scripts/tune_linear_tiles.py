@@ -1,9 +1,9 @@
 """Time the linear kernel (`deepinfer_kernels.linear`) over tile configurations.
 
 For each projection shape of the V4-Flash slice and each row count: every candidate (BLOCK_N, BLOCK_K,
-warps, stages) with K split to fill `split` x the SMs (0: no split; decode-sized rows only), its output
-against the current default's, median time, the weight bytes' rate against the measured copy bandwidth
-and TFLOP/s. Rows up to 16 take 16-row tiles, more take 128-row tiles. `--format fp8-a8` times fp8
+warps, stages) with K split to fill `split` x the SMs (0: no split; up to 64 rows), its output against the
+current default's, median time, the weight bytes' rate against the measured copy bandwidth and TFLOP/s. Each row
+count keeps the default's row tile (`linear.tile_config`: 16, 32, 64 or 128 rows). `--format fp8-a8` times fp8
 weights with fp8 activations (W8A8). The table tells which defaults `linear.tile_config` /
 `linear.split_k` should use; it is a script, not a test.
 
@@ -69,9 +69,11 @@ def main() -> None:
         linear.tile_config, linear.split_k = default_tiles, default_split
         expected = run().float()
         default_ms = time_ms(run, device, rep_ms=40)
-        splits = CANDIDATES_SPLIT if m <= 16 else (0,)
+        # decode batches of 17-64 rows take 64-row tiles that split K too (`linear.split_k`)
+        splits = CANDIDATES_SPLIT if m <= 64 else (0,)
+        block_m = default_tiles(m, 0 if block is None else 1, False, n)[0]
         candidates = [
-            ((16 if m <= 16 else 128, bn, bk, warps, stages), fill)
+            ((block_m, bn, bk, warps, stages), fill)
             for (bn, bk), (warps, stages), fill in itertools.product(CANDIDATES_NK, CANDIDATES_WARPS_STAGES, splits)
             # fp8 tiles lie inside one scale block and span its K (W8A8: one activation group)
             if block is None or (bk == block[1] and bn <= block[0])
