@@ -69,7 +69,7 @@ def main() -> None:
         linear.tile_config, linear.split_k = default_tiles, default_split
         expected = run().float()
         default_ms = time_ms(run, device, rep_ms=40)
-        # decode batches of 17-64 rows take 64-row tiles that split K too (`linear.split_k`)
+        # decode batches of 17-64 rows take 32- and 64-row tiles that split K too (`linear.split_k`)
         splits = CANDIDATES_SPLIT if m <= 64 else (0,)
         block_m = default_tiles(m, 0 if block is None else 1, False, n)[0]
         candidates = [
