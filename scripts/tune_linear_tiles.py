@@ -20,6 +20,7 @@ of a few MB sits in L2.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 from pathlib import Path
 
@@ -74,6 +75,7 @@ def main() -> None:
         decode = m <= 64
         weights = [weight] + [weight.clone() for _ in range(DECODE_STREAM_BYTES // nbytes if decode else 0)]
         turn = itertools.cycle(weights)
+        timer = functools.partial(graph_time_ms, calls=max(len(weights), 20)) if decode else time_ms
 
         def run():
             w = next(turn)
@@ -81,16 +83,11 @@ def main() -> None:
                 return linear.linear(x[:, 0], w, scale, block, False, sms, args.format == "fp8-a8")
             return linear.grouped_linear(x, w, scale, block, False, sms, args.format == "fp8-a8")
 
-        def timer(fn, device, rep_ms):
-            if decode:
-                return graph_time_ms(fn, device, calls=max(len(weights), 20), rep_ms=rep_ms)
-            return time_ms(fn, device, rep_ms=rep_ms)
-
         linear.tile_config, linear.split_k = default_tiles, default_split
         expected = run().float()
         default_ms = timer(run, device, rep_ms=40)
         # decode batches of 17-64 rows take 32- and 64-row tiles that split K too (`linear.split_k`)
-        splits = CANDIDATES_SPLIT if m <= 64 else (0,)
+        splits = CANDIDATES_SPLIT if decode else (0,)
         block_m = default_tiles(m, 0 if block is None else 1, False, groups * n)[0]
         candidates = [
             ((block_m, bn, bk, warps, stages), fill)
