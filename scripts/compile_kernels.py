@@ -114,7 +114,7 @@ def _variants() -> Iterator[tuple[str, object, dict, dict, int, int]]:
         yield f"moe_down[{weight[1:]}]", fused_moe._down_kernel, _types(fused_moe._down_kernel, down), \
             dict(moe, BLOCK_N=down_n, SUM_SLOTS=0), warps, stages
     # one row of x and an fp8 weight on CUDA cores (`linear.one_row_tiles`)
-    block_m, block_n, block_k, warps, stages = linear.tile_config(1, 1, one_row=True)
+    block_m, block_n, block_k, warps, stages, _ = linear.tile_config(1, 1, one_row=True)
     yield "linear[fp8e4nv, one row]", linear._linear_kernel, _types(linear._linear_kernel, {
         "w_ptr": WEIGHT_TYPES[1], "xs_ptr": "*fp32", "ys_ptr": "*fp32", "part_ptr": "*fp32", "counter_ptr": "*i32",
         "s_ptr": "*u8"}), dict(FORMAT=1, SCALE_BN=128, SCALE_BK=128, IEEE=False, A8=False, VALUES="bfloat16",

@@ -4,8 +4,8 @@ For each projection shape of the V4-Flash slice and each row count: every candid
 warps, stages) with K split to fill `split` x the SMs (0: no split; up to 64 rows), its output against the
 current default's, median time, the weight bytes' rate against the measured copy bandwidth and TFLOP/s. Each row
 count keeps the default's row tile (`linear.tile_config`: 16, 32, 64 or 128 rows). `--format fp8-a8` times fp8
-weights with fp8 activations (W8A8). The table tells which defaults `linear.tile_config` /
-`linear.split_k` should use; it is a script, not a test.
+weights with fp8 activations (W8A8). The table tells which tiles `linear.tile_config` should give (its rule, or
+a measured tile in `linear.FP8_DECODE_TILES`); it is a script, not a test.
 
 Up to 64 rows (decode) each time is a CUDA graph's replay of calls that cycle through copies of the weight
 filling DECODE_STREAM_BYTES, so that every call reads its weight from memory as a decode step does: timed
@@ -25,7 +25,7 @@ import itertools
 from pathlib import Path
 
 import torch
-from kernel_bench_common import graph_time_ms, measure_ceilings, time_candidates, time_ms, write_table
+from kernel_bench_common import graph_time_ms, measure_ceilings, tiles_from, time_candidates, time_ms, write_table
 
 from deepinfer_core.quantization import quantize_fp8_block
 from deepinfer_kernels import linear
@@ -40,14 +40,6 @@ CANDIDATES_WARPS_STAGES = ((4, 3), (4, 4), (8, 3), (8, 4))
 CANDIDATES_SPLIT = (0, 1, 2, 4)  # split K to fill this many times the SMs (0 = never split)
 
 
-def _apply(candidate) -> None:
-    """Tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) and K split to fill `fill` x the SMs (0: none)."""
-    config, fill = candidate
-    linear.tile_config = lambda *_: config
-    linear.split_k = (lambda tiles, k, block_k, sms, *_: 1 if fill == 0 or tiles >= fill * sms
-                      else max(1, min(-(-fill * sms // tiles), k // (2 * block_k), 32)))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,16")
@@ -60,7 +52,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     bandwidth = measure_ceilings(device).copy_gbps
     gen = torch.Generator(device=device).manual_seed(0)
-    default_tiles, default_split = linear.tile_config, linear.split_k
+    default_tiles = linear.tile_config
     lines = [f"copy bandwidth {bandwidth:.0f} GB/s, {sms} SMs", "",
              f"format {args.format}", "",
              "| shape | rows | BLOCK_N | BLOCK_K | warps | stages | split x SMs | ms | GB/s | % copy | TFLOP/s | rel. diff |",
@@ -83,25 +75,25 @@ def main() -> None:
                 return linear.linear(x[:, 0], w, scale, block, False, sms, args.format == "fp8-a8")
             return linear.grouped_linear(x, w, scale, block, False, sms, args.format == "fp8-a8")
 
-        linear.tile_config, linear.split_k = default_tiles, default_split
+        linear.tile_config = default_tiles
         expected = run().float()
         default_ms = timer(run, device, rep_ms=40)
         # decode batches of 17-64 rows take 32- and 64-row tiles that split K too (`linear.split_k`)
         splits = CANDIDATES_SPLIT if decode else (0,)
         block_m = default_tiles(m, 0 if block is None else 1, False, groups * n)[0]
         candidates = [
-            ((block_m, bn, bk, warps, stages), fill)
+            (block_m, bn, bk, warps, stages, fill)
             for (bn, bk), (warps, stages), fill in itertools.product(CANDIDATES_NK, CANDIDATES_WARPS_STAGES, splits)
             # fp8 tiles lie inside one scale block and span its K (W8A8: one activation group)
             if block is None or (bk == block[1] and bn <= block[0])
         ]
-        results = time_candidates(run, expected, candidates, _apply, device, rep_ms=40, timer=timer)
-        linear.tile_config, linear.split_k = default_tiles, default_split
-        for ms, (config, fill), diff in results[:4]:
+        results = time_candidates(run, expected, candidates, tiles_from(linear), device, rep_ms=40, timer=timer)
+        linear.tile_config = default_tiles
+        for ms, config, diff in results[:4]:
             gbps = nbytes / ms / 1e6
-            lines.append(f"| {name} {groups}x{n}x{k} | {m} | {config[1]} | {config[2]} | {config[3]} | {config[4]} | "
-                         f"{fill} | {ms:.4f} | {gbps:.0f} | {100 * gbps / bandwidth:.0f}% | {flops / ms / 1e9:.0f} | "
-                         f"{diff} |")
+            tiles = " | ".join(str(v) for v in config[1:])  # BLOCK_N, BLOCK_K, warps, stages, split fill
+            lines.append(f"| {name} {groups}x{n}x{k} | {m} | {tiles} | {ms:.4f} | {gbps:.0f} | "
+                         f"{100 * gbps / bandwidth:.0f}% | {flops / ms / 1e9:.0f} | {diff} |")
         gbps = nbytes / default_ms / 1e6
         lines.append(f"| {name} {groups}x{n}x{k} | {m} | default | | | | | {default_ms:.4f} | {gbps:.0f} | "
                      f"{100 * gbps / bandwidth:.0f}% | {flops / default_ms / 1e9:.0f} | 0 |")

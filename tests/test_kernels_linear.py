@@ -76,13 +76,52 @@ def test_split_k_matches_reference(dtype, fmt):
     m, n, k = 3, 70, 1088
     x = torch.randn(m, k, generator=gen).to(dtype)
     weight, scale, block = _weight(fmt, n, k, gen, dtype)
-    assert split_k(2, k, 64, num_sms=132) == 4  # 4 ranges of 320, 320, 320, 128
+    assert split_k(2, k, 64, 132, fill=2) == 4  # 4 ranges of 320, 320, 320, 128
     out = linear(x, weight, scale, block, num_sms=132)
     assert_matches(out, KernelOps().linear(x, weight, scale, block), TOLERANCE[dtype])
     assert torch.equal(out, linear(x, weight, scale, block, num_sms=132)), "not the same on every run"
     from deepinfer_kernels.linear import _arrival_counters
 
     assert not _arrival_counters(x.device, 1).any(), "the last arrival of each tile resets its counter"
+
+
+def test_measured_decode_tiles_only_for_w8a16_launches_up_to_64_rows():
+    """FP8_DECODE_TILES: V4-Flash's wo_b (4,096 x 8,192) at 16 rows takes its measured tile and split fill; more
+    rows, a bf16 weight, or no K given (fp8 activations, batch-invariant mode) take the rule's."""
+    from deepinfer_kernels.linear import FP8_DECODE_TILES, tile_config
+
+    assert FP8_DECODE_TILES[16, 4096, 8192] == (64, 4, 3, 4)
+    assert tile_config(16, 1, weight_rows=4096, k=8192) == (16, 64, 128, 4, 3, 4)
+    assert tile_config(9, 1, weight_rows=4096, k=8192) == (16, 64, 128, 4, 3, 4)
+    rule = tile_config(16, 1, weight_rows=4096)
+    assert rule != tile_config(16, 1, weight_rows=4096, k=8192)
+    assert tile_config(16, 0, weight_rows=4096, k=8192) == tile_config(16, 0, weight_rows=4096)
+    assert tile_config(65, 1, weight_rows=4096, k=8192) == tile_config(65, 1, weight_rows=4096)
+    assert split_k(64, 8192, 128, 132, fill=0) == 1  # fill 0: never split
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "a8", "batch_invariant"])
+def test_measured_decode_tile_taken_by_w8a16_launches(monkeypatch, mode):
+    """A shape in FP8_DECODE_TILES (here a small one put there, with a fill of 0 where the rule's 2 splits K in 2)
+    gets its tile and split fill in a W8A16 launch that may split K, and matches the reference; W8A8 and
+    batch-invariant launches ask the rule (k=0)."""
+    import deepinfer_kernels.linear as linear_module
+
+    monkeypatch.setitem(linear_module.FP8_DECODE_TILES, (16, 256, 1024), (32, 4, 3, 0))
+    tiles, splits = [], []
+    tile_config, split = linear_module.tile_config, linear_module.split_k
+    monkeypatch.setattr(linear_module, "tile_config", lambda *a: tiles.append((a, tile_config(*a))) or tiles[-1][1])
+    monkeypatch.setattr(linear_module, "split_k", lambda *a: splits.append(split(*a)) or splits[-1])
+    gen = torch.Generator().manual_seed(17)
+    weight, scale = quantize_fp8_block(torch.randn(256, 1024, generator=gen) / 8, (128, 128))
+    x = torch.randn(5, 1024, generator=gen).to(torch.bfloat16)
+    out = linear(x, weight, scale, (128, 128), mode == "batch_invariant", 132, mode == "a8")
+    (asked, got), = tiles
+    assert asked[-1] == (1024 if mode == "w8a16" else 0)
+    if mode == "w8a16":
+        assert got == (16, 32, 128, 4, 3, 0) and splits == [1]
+        assert split(8, 1024, 128, 132, tile_config(16, 1, weight_rows=256)[-1]) == 2
+        assert_matches(out, KernelOps().linear(x, weight, scale, (128, 128)), TOLERANCE[torch.bfloat16])
 
 
 @pytest.mark.parametrize("num_sms", [None, 132])
@@ -319,7 +358,7 @@ def test_one_row_fp8_matches_reference(dtype, block, num_sms):
     not, one group and several."""
     gen = torch.Generator().manual_seed(block[0] + (num_sms or 0))
     weight, scale = quantize_fp8_block(torch.randn(3 * 128, 1024, generator=gen) / 8, block)
-    assert split_k(6, 1024, 128, num_sms=132, one_row=True) == 4
+    assert split_k(6, 1024, 128, 132, fill=4, one_row=True) == 4
     x = torch.randn(1, 1024, generator=gen).to(dtype)
     assert_matches(linear(x, weight, scale, block, num_sms=num_sms), KernelOps().linear(x, weight, scale, block),
                    TOLERANCE[dtype])

@@ -36,8 +36,23 @@ __all__ = [
 BATCH_INVARIANT_ROWS = 64
 # Split-K launches have fewer output tiles than the GPU has multiprocessors: one arrival counter each.
 _ARRIVAL_COUNTERS = 1024
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of one row on CUDA cores (`one_row_tiles`).
-ONE_ROW_TILE = (1, 64, 128, 4, 3)
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split fill) of one row on CUDA cores (`one_row_tiles`): light programs,
+# 4 a multiprocessor where K splits (H200: a fill of 4 beat 2 on most of the V4-Flash projections, BENCHMARKS.md).
+ONE_ROW_TILE = (1, 64, 128, 4, 3, 4)
+# Measured tiles of V4-Flash's fp8 projections (128 x 128 blocks, W8A16) at 2-64 rows, where the rule in
+# `tile_config` left them at 15-60% of the copy rate: (BLOCK_M, weight rows, K) -> (BLOCK_N, warps, stages, split
+# fill), BLOCK_K 128. H100, graph replay over weight copies past L2 (scripts/tune_linear_tiles.py, BENCHMARKS.md),
+# us at 16 / 32 / 64 rows, the rule's -> these: wq_a + wkv (one launch) 8.2 / - / 13.8 -> 7.0 / - / 11.1, the
+# grouped wo_a 18.7 / 23.6 / 35.0 -> 17.6 / 20.2 / 26.4, wo_b 20.6 / 26.9 / 38.0 -> 17.9 / 20.8 / 27.0, wq_b
+# 23.0 / - / 25.4 -> 16.8 / - / 20.8 (-: within 5%, left to the rule). Wide K wants more K ranges or wider column
+# tiles (fewer passes over x), the tall wq_b wider tiles at 64 rows and 8 warps at 16. The fp4-expert decode step
+# (4 layers, context 4,096) went 2.238 -> 2.215 ms at batch 16 and 4.012 -> 3.912 at batch 64.
+FP8_DECODE_TILES = {
+    (16, 1536, 4096): (32, 4, 4, 2), (16, 8192, 4096): (32, 4, 4, 1), (16, 4096, 8192): (64, 4, 3, 4),
+    (16, 32768, 1024): (64, 8, 3, 2), (32, 8192, 4096): (64, 4, 4, 1), (32, 4096, 8192): (64, 4, 3, 4),
+    (64, 1536, 4096): (32, 4, 4, 2), (64, 8192, 4096): (64, 4, 3, 1), (64, 4096, 8192): (128, 4, 3, 2),
+    (64, 32768, 1024): (128, 4, 3, 2),
+}
 FLOAT32_ROW_TILES = 16
 # Up to this many rows the MMA tiles are 64 rows tall (`tile_config`) for weights of up to TALL_WEIGHT_ROWS rows:
 # 128-row tiles gave a small projection a handful of output tiles. H100, graph replay, 128 / 256 / 512 rows:
@@ -195,20 +210,28 @@ def _one_row_sums(
     return tl.sum(acc, axis=1)[None, :]
 
 
-def tile_config(m: int, fmt: int, one_row: bool = False, weight_rows: int = 0) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for m rows meeting a weight of `weight_rows` rows (all
-    groups'); an fp8 weight's scale blocks then shape the tile (`weight_tiles.fp8_tiles`). `one_row`
-    (`one_row_tiles`): the one-row tile on CUDA cores."""
+def tile_config(
+    m: int, fmt: int, one_row: bool = False, weight_rows: int = 0, k: int = 0
+) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, split fill) for m rows meeting a weight of `weight_rows`
+    rows (all groups'); an fp8 weight's scale blocks then shape the tile (`weight_tiles.fp8_tiles`). A launch of
+    fewer output tiles than multiprocessors splits K to fill `split fill` x them (`split_k`). `one_row`
+    (`one_row_tiles`): the one-row tile on CUDA cores. `k`: K of a W8A16 launch that may split K, whose shapes in
+    FP8_DECODE_TILES take their measured tile up to 64 rows (0: the rule's)."""
     if one_row:
         return ONE_ROW_TILE
     sixty_four = m <= 64 or (m <= SIXTY_FOUR_ROW_TILES and weight_rows <= TALL_WEIGHT_ROWS)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if sixty_four else 128
+    measured = FP8_DECODE_TILES.get((block_m, weight_rows, k)) if fmt == 1 and m <= 64 else None
+    if measured is not None:
+        block_n, warps, stages, fill = measured
+        return block_m, block_n, 128, warps, stages, fill
     block_n = 64 if m <= 64 else 128
     # decode-sized rows stream the weight: longer K tiles, one more stage (scripts/tune_linear_tiles.py:
     # the LM head at 1-16 rows goes from 95-97% to 100-102% of the measured copy bandwidth)
     block_k = 128 if fmt == 1 or m <= 16 else 64
     warps = 4 if block_m <= 64 else 8
-    return block_m, block_n, block_k, warps, 4 if m <= 16 else 3
+    return block_m, block_n, block_k, warps, 4 if m <= 16 else 3, 2
 
 
 def _row_band(row_tiles: int, x_bytes: int) -> int:
@@ -236,15 +259,14 @@ def one_row_tiles(
     return fp8_tiles(block, ONE_ROW_TILE[1], ONE_ROW_TILE[2])[0] == 1
 
 
-def split_k(tiles: int, k: int, block_k: int, num_sms: int, one_row: bool = False) -> int:
-    """How many K ranges to give a launch of `tiles` output tiles so that it fills the GPU: a decode
-    step's projections have few output tiles (a 1024-wide projection at 16 rows is 16 programs). The
-    partial sums add up in a fixed order (in the kernel), so the result is the same on every run.
-    One-row tiles, light programs, aim at 4 a multiprocessor, of at least 2 K tiles each (H200: a fill of 4
-    beat 2 on most of the V4-Flash projections, BENCHMARKS.md)."""
+def split_k(tiles: int, k: int, block_k: int, num_sms: int, fill: int, one_row: bool = False) -> int:
+    """How many K ranges to give a launch of `tiles` output tiles so that it fills `fill` x the GPU's
+    multiprocessors (`tile_config`; 0: none): a decode step's projections have few output tiles (a 1024-wide
+    projection at 16 rows is 16 programs). The partial sums add up in a fixed order (in the kernel), so the
+    result is the same on every run. A range holds at least 4 K tiles (one-row tiles, light programs: 2)."""
     if tiles >= num_sms:
         return 1
-    fill, least_k_tiles, most = (4, 2, 32) if one_row else (2, 4, 16)
+    least_k_tiles, most = (2, 32) if one_row else (4, 16)
     return max(1, min(-(-fill * num_sms // tiles), k // (least_k_tiles * block_k), most))
 
 
@@ -311,7 +333,8 @@ def grouped_linear(
     one_row = one_row_tiles(tiled_rows, fmt, block, a8, x.dtype == torch.float32)
     if fmt == 0 and w.dtype != x.dtype and not one_row:  # one-row tiles widen the weight as they load it
         w = w.to(x.dtype)
-    block_m, block_n, block_k, warps, stages = tile_config(tiled_rows, fmt, one_row, weight.shape[0])
+    measured_k = 0 if a8 or batch_invariant else k  # (FP8_DECODE_TILES: W8A16 launches that split K)
+    block_m, block_n, block_k, warps, stages, fill = tile_config(tiled_rows, fmt, one_row, weight.shape[0], measured_k)
     kernel_format = fmt
     if fmt == 1 and not a8:
         kernel_format, block_n, block_k = fp8_tiles(block, block_n, block_k)
@@ -337,7 +360,7 @@ def grouped_linear(
     tiles = (triton.cdiv(tokens, block_m), triton.cdiv(n, block_n))
     splits = 1
     if not batch_invariant and num_sms is not None:
-        splits = split_k(tiles[0] * tiles[1] * groups, k, block_k, num_sms, one_row)
+        splits = split_k(tiles[0] * tiles[1] * groups, k, block_k, num_sms, fill, one_row)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     partials, counters = out, out  # never read with one split
