@@ -44,9 +44,10 @@ ONE_ROW_TILE = (1, 64, 128, 4, 3, 4)
 # fill), BLOCK_K 128. H100, graph replay over weight copies past L2 (scripts/tune_linear_tiles.py, BENCHMARKS.md),
 # us at 16 / 32 / 64 rows, the rule's -> these: wq_a + wkv (one launch) 8.2 / - / 13.8 -> 7.0 / - / 11.1, the
 # grouped wo_a 18.7 / 23.6 / 35.0 -> 17.6 / 20.2 / 26.4, wo_b 20.6 / 26.9 / 38.0 -> 17.9 / 20.8 / 27.0, wq_b
-# 23.0 / - / 25.4 -> 16.8 / - / 20.8 (-: within 5%, left to the rule). Wide K wants more K ranges or wider column
-# tiles (fewer passes over x), the tall wq_b wider tiles at 64 rows and 8 warps at 16. The fp4-expert decode step
-# (4 layers, context 4,096) went 2.238 -> 2.215 ms at batch 16 and 4.012 -> 3.912 at batch 64.
+# 23.0 / - / 25.4 -> 16.8 / - / 20.8 (-: within about 5%, left to the rule). Wide K wants more K ranges or wider column
+# tiles (fewer passes over x), the tall wq_b wider tiles at 64 rows and 8 warps at 16. A row tile's entry serves all
+# its row counts (2-16 rows launch the same 16-row programs). With these tiles patched in, the fp4-expert decode step
+# (4 layers, context 4,096, one process) went 2.238 -> 2.215 ms at batch 16 and 4.012 -> 3.912 at batch 64.
 FP8_DECODE_TILES = {
     (16, 1536, 4096): (32, 4, 4, 2), (16, 8192, 4096): (32, 4, 4, 1), (16, 4096, 8192): (64, 4, 3, 4),
     (16, 32768, 1024): (64, 8, 3, 2), (32, 8192, 4096): (64, 4, 4, 1), (32, 4096, 8192): (64, 4, 3, 4),
