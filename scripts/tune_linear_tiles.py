@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--format", default="bf16", choices=("bf16", "fp8", "fp8-a8"))
     parser.add_argument("--shapes", default=",".join(name for name, *_ in SHAPES),
                         help="comma list of projection names")
+    parser.add_argument("--top", type=int, default=4, help="candidates a (shape, rows) row of the table keeps")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -89,7 +90,7 @@ def main() -> None:
         ]
         results = time_candidates(run, expected, candidates, tiles_from(linear), device, rep_ms=40, timer=timer)
         linear.tile_config = default_tiles
-        for ms, config, diff in results[:4]:
+        for ms, config, diff in results[:args.top]:
             gbps = nbytes / ms / 1e6
             tiles = " | ".join(str(v) for v in config[1:])  # BLOCK_N, BLOCK_K, warps, stages, split fill
             lines.append(f"| {name} {groups}x{n}x{k} | {m} | {tiles} | {ms:.4f} | {gbps:.0f} | "
@@ -97,7 +98,7 @@ def main() -> None:
         gbps = nbytes / default_ms / 1e6
         lines.append(f"| {name} {groups}x{n}x{k} | {m} | default | | | | | {default_ms:.4f} | {gbps:.0f} | "
                      f"{100 * gbps / bandwidth:.0f}% | {flops / default_ms / 1e9:.0f} | 0 |")
-        print("\n".join(lines[-5:]), flush=True)
+        print("\n".join(lines[-1 - min(args.top, len(results)):]), flush=True)
     write_table(Path(args.out), "linear_tiles.md", lines)
 
 
