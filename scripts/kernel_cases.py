@@ -143,7 +143,7 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
                 yield Case(f"{op} {layer} {kind} S={seqs} q={q_len} ctx={ctx}",
                            partial(_attention, ops, reference, heads, dim, ring, seqs, q_len, ctx, layer, ratio, tiny,
                                    rotary))
-    # the measured decode tiles of V4-Flash's fp8 projections (`linear.FP8_DECODE_TILES`), at their row tiles' height
+    # the measured decode tiles of V4-Flash's fp8 projections (`linear.FP8_DECODE_TILES`), at their buckets' most rows
     for m, n, k in ([] if tiny else FP8_DECODE_TILES):
         yield Case(f"linear decode tile fp8 M={m} N={n} K={k}", partial(_linear, ops, reference, m, n, k, "fp8", tiny))
     # linear's 64-row tiles between decode and prefill sizes (`SIXTY_FOUR_ROW_TILES`: speculative verification,
