@@ -86,16 +86,15 @@ def test_split_k_matches_reference(dtype, fmt):
 
 
 def test_measured_decode_tiles_only_for_w8a16_launches_up_to_64_rows():
-    """FP8_DECODE_TILES: V4-Flash's wo_b (4,096 x 8,192) at 9-16 rows takes the 16-row entry's tile and split fill,
-    at 2-8 rows the 8-row entry's (in the same 16-row tiles); more rows, a bf16 weight, or no K given (fp8
-    activations, batch-invariant mode) take the rule's."""
+    """FP8_DECODE_TILES: V4-Flash's wo_b (4,096 x 8,192) at 2-16 rows takes the 2-16 entry's tile and split fill
+    (in 16-row tiles), at 17-32 rows the 32-row entry's; more rows, a bf16 weight, or no K given (fp8 activations,
+    batch-invariant mode) take the rule's."""
     from deepinfer_kernels.linear import FP8_DECODE_TILES, tile_config
 
-    assert FP8_DECODE_TILES[16, 4096, 8192] == (64, 4, 3, 4)
-    assert tile_config(16, 1, weight_rows=4096, k=8192) == (16, 64, 128, 4, 3, 4)
-    assert tile_config(9, 1, weight_rows=4096, k=8192) == (16, 64, 128, 4, 3, 4)
-    assert tile_config(8, 1, weight_rows=4096, k=8192) == tile_config(2, 1, weight_rows=4096, k=8192)
-    assert tile_config(8, 1, weight_rows=4096, k=8192) == (16, 128, 128, 8, 3, 2)
+    assert FP8_DECODE_TILES[16, 4096, 8192] == (128, 8, 3, 2)
+    assert tile_config(16, 1, weight_rows=4096, k=8192) == (16, 128, 128, 8, 3, 2)
+    assert tile_config(2, 1, weight_rows=4096, k=8192) == (16, 128, 128, 8, 3, 2)
+    assert tile_config(17, 1, weight_rows=4096, k=8192) == (32, 64, 128, 4, 3, 4)
     rule = tile_config(16, 1, weight_rows=4096)
     assert rule != tile_config(16, 1, weight_rows=4096, k=8192)
     assert tile_config(16, 0, weight_rows=4096, k=8192) == tile_config(16, 0, weight_rows=4096)
@@ -105,12 +104,12 @@ def test_measured_decode_tiles_only_for_w8a16_launches_up_to_64_rows():
 
 @pytest.mark.parametrize("mode", ["w8a16", "a8", "batch_invariant"])
 def test_measured_decode_tile_taken_by_w8a16_launches(monkeypatch, mode):
-    """A shape in FP8_DECODE_TILES (here a small one put there for 2-8 rows, with a fill of 0 where the rule's 2
+    """A shape in FP8_DECODE_TILES (here a small one put there for 2-16 rows, with a fill of 0 where the rule's 2
     splits K in 2) gets its tile and split fill in a W8A16 launch that may split K, and matches the reference; W8A8 and
     batch-invariant launches ask the rule (k=0)."""
     import deepinfer_kernels.linear as linear_module
 
-    monkeypatch.setitem(linear_module.FP8_DECODE_TILES, (8, 256, 1024), (32, 4, 3, 0))
+    monkeypatch.setitem(linear_module.FP8_DECODE_TILES, (16, 256, 1024), (32, 4, 3, 0))
     tiles, splits = [], []
     tile_config, split = linear_module.tile_config, linear_module.split_k
     monkeypatch.setattr(linear_module, "tile_config", lambda *a: tiles.append((a, tile_config(*a))) or tiles[-1][1])
