@@ -17,7 +17,7 @@ from bench_model import fresh_ops
 from deepinfer_core.models.forward_batch import ForwardBatch
 from deepinfer_core.platform.kernel_ops import KernelOps, MlpWeights
 from deepinfer_core.quantization import dequantize_fp4, quantize_fp4, quantize_fp8_block
-from deepinfer_kernels.linear import DECODE_ROW_BUCKETS, FP8_DECODE_TILES
+from deepinfer_kernels.linear import FP8_DECODE_TILES
 from deepinfer_kernels.weight_tiles import FP4_PAIR_ORDER, FP4_SMALL_SCALES, decoded_weight, pair_order_columns
 
 __all__ = ["kernel_cases"]
@@ -143,11 +143,10 @@ def kernel_cases(ops: KernelOps, reference: KernelOps, tiny: bool) -> Iterator:
                 yield Case(f"{op} {layer} {kind} S={seqs} q={q_len} ctx={ctx}",
                            partial(_attention, ops, reference, heads, dim, ring, seqs, q_len, ctx, layer, ratio, tiny,
                                    rotary))
-    # the measured decode tiles of V4-Flash's fp8 projections (`linear.FP8_DECODE_TILES`), at their buckets' fewest
-    # and most rows (the fewest leave the row tile's last rows masked)
-    for bucket, n, k in ([] if tiny else FP8_DECODE_TILES):
-        fewest = max((rows for rows in DECODE_ROW_BUCKETS if rows < bucket), default=1) + 1
-        for m in (fewest, bucket):
+    # the measured decode tiles of V4-Flash's fp8 projections (`linear.FP8_DECODE_TILES`), at the fewest and most
+    # rows of their row tile (the fewest leave its last rows masked; one row takes the one-row tile)
+    for block_m, n, k in ([] if tiny else FP8_DECODE_TILES):
+        for m in (2 if block_m == 16 else block_m // 2 + 1, block_m):
             yield Case(f"linear decode tile fp8 M={m} N={n} K={k}",
                        partial(_linear, ops, reference, m, n, k, "fp8", tiny))
     # linear's 64-row tiles between decode and prefill sizes (`SIXTY_FOUR_ROW_TILES`: speculative verification,

@@ -39,18 +39,16 @@ _ARRIVAL_COUNTERS = 1024
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split fill) of one row on CUDA cores (`one_row_tiles`): light programs,
 # 4 a multiprocessor where K splits (H200: a fill of 4 beat 2 on most of the V4-Flash projections, BENCHMARKS.md).
 ONE_ROW_TILE = (1, 64, 128, 4, 3, 4)
-# Measured tiles of V4-Flash's fp8 projections (128 x 128 blocks, W8A16) at 2-64 rows, where the rule in
-# `tile_config` left them at 15-60% of the copy rate: (most rows, weight rows, K) -> (BLOCK_N, warps, stages, split
-# fill), BLOCK_K 128; an entry serves the rows above the DECODE_ROW_BUCKETS bucket below its own (2-16, 17-32,
-# 33-64). H100, graph replay over weight copies past L2 (scripts/tune_linear_tiles.py, BENCHMARKS.md), us at
-# 16 / 32 / 64 rows, the rule's -> these: wq_a + wkv (one launch) 8.2 / - / 13.8 -> 6.7 / - / 11.1, the grouped
-# wo_a 18.7 / 23.6 / 35.0 -> 17.6 / 20.2 / 26.4, wo_b 20.6 / 26.9 / 38.0 -> 17.8 / 20.8 / 27.0, wq_b 23.0 / - / 25.4
-# -> 16.8 / - / 20.8 (-: within about 5%, left to the rule). A 2-16 entry is the best sum over 8, 12 and 16 rows:
-# wo_b's fastest at 16 rows (64 / 4 / 3 / 4, 17.5 us) took 23.7-24.1 at 4-12, 128 / 8 / 3 / 2 17.4-17.8 at 4-16.
-# Wide K wants more K ranges or wider column tiles (fewer passes over x), the tall wq_b wider tiles at 64 rows and
-# 8 warps at 16. With the 16- to 64-row tiles, the fp4-expert decode step (4 layers, context 4,096) went 2.213 ->
-# 2.205 ms at batch 16 and 4.006 -> 3.935 at batch 64.
-DECODE_ROW_BUCKETS = (16, 32, 64)
+# Measured tiles of V4-Flash's fp8 projections (128 x 128 blocks, W8A16) at 2-64 rows, where the rule in `tile_config`
+# left them at 15-60% of the copy rate: (BLOCK_M, weight rows, K) -> (BLOCK_N, warps, stages, split fill), BLOCK_K
+# 128; an entry serves every row count of its row tile (2-16, 17-32, 33-64 rows). H100, graph replay over weight
+# copies past L2 (scripts/tune_linear_tiles.py, BENCHMARKS.md), us at 16 / 32 / 64 rows, the rule's -> these: wq_a +
+# wkv (one launch) 8.2 / - / 13.8 -> 6.7 / - / 11.1, the grouped wo_a 18.7 / 23.6 / 35.0 -> 17.6 / 20.2 / 26.4, wo_b
+# 20.6 / 26.9 / 38.0 -> 17.8 / 20.8 / 27.0, wq_b 23.0 / - / 25.4 -> 16.8 / - / 20.8 (-: within about 5%, left to the
+# rule). A 2-16 entry is the best sum over 8, 12 and 16 rows: wo_b's fastest at 16 rows (64 / 4 / 3 / 4, 17.5 us) took
+# 23.7-24.1 at 4-12, 128 / 8 / 3 / 2 17.4-17.8 at 4-16. Wide K wants more K ranges or wider column tiles (fewer passes
+# over x), the tall wq_b wider tiles at 64 rows and 8 warps at 16. With the 16- to 64-row tiles, the fp4-expert decode
+# step (4 layers, context 4,096) went 2.213 -> 2.205 ms at batch 16 and 4.006 -> 3.935 at batch 64.
 FP8_DECODE_TILES = {
     (16, 1536, 4096): (32, 4, 3, 4), (16, 8192, 4096): (32, 4, 4, 1), (16, 4096, 8192): (128, 8, 3, 2),
     (16, 32768, 1024): (64, 8, 3, 2), (32, 8192, 4096): (64, 4, 4, 1), (32, 4096, 8192): (64, 4, 3, 4),
@@ -226,8 +224,7 @@ def tile_config(
         return ONE_ROW_TILE
     sixty_four = m <= 64 or (m <= SIXTY_FOUR_ROW_TILES and weight_rows <= TALL_WEIGHT_ROWS)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if sixty_four else 128
-    bucket = next((rows for rows in DECODE_ROW_BUCKETS if m <= rows), None)
-    measured = FP8_DECODE_TILES.get((bucket, weight_rows, k)) if fmt == 1 else None
+    measured = FP8_DECODE_TILES.get((block_m, weight_rows, k)) if fmt == 1 and m <= 64 else None
     if measured is not None:
         block_n, warps, stages, fill = measured
         return block_m, block_n, 128, warps, stages, fill
