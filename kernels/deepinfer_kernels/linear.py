@@ -48,7 +48,8 @@ ONE_ROW_TILE = (1, 64, 128, 4, 3, 4)
 # rule). A 2-16 entry is the best sum over 8, 12 and 16 rows: wo_b's fastest at 16 rows (64 / 4 / 3 / 4, 17.5 us) took
 # 23.7-24.1 at 4-12, 128 / 8 / 3 / 2 17.4-17.8 at 4-16. Wide K wants more K ranges or wider column tiles (fewer passes
 # over x), the tall wq_b wider tiles at 64 rows and 8 warps at 16. With the 16- to 64-row tiles, the fp4-expert decode
-# step (4 layers, context 4,096) went 2.213 -> 2.205 ms at batch 16 and 4.006 -> 3.935 at batch 64.
+# step (4 layers, context 4,096) went 2.213 -> 2.205 ms at batch 16 and 4.006 -> 3.935 at batch 64; the one 2-16
+# bucket then took it from 1.994 to 1.981 ms at batch 12 and from 2.178 to 2.144 at batch 16.
 FP8_DECODE_TILES = {
     (16, 1536, 4096): (32, 4, 3, 4), (16, 8192, 4096): (32, 4, 4, 1), (16, 4096, 8192): (128, 8, 3, 2),
     (16, 32768, 1024): (64, 8, 3, 2), (32, 8192, 4096): (64, 4, 4, 1), (32, 4096, 8192): (64, 4, 3, 4),
